@@ -1,0 +1,133 @@
+"""torch.distributed.checkpoint storage that hashes as it writes and unpickles nothing unsafe.
+
+Writing: a ``FileSystem`` whose streams hash every byte on its way to disk, so
+DCP's tensor files get their manifest digests without a second pass.
+
+Reading: DCP reads ``.metadata`` with plain ``pickle.load`` and loads
+non-tensor items with ``weights_only=False``. Our reader unpickles the metadata
+with a restricted unpickler that admits only DCP's own metadata classes and
+refuses any non-tensor item, so a tampered snapshot cannot run code even when
+its manifest digests were updated to match (invariant 5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any, Callable, Generator
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from ckptrun.runtime.hashing import HashingWriter
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                 "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class UnsafeMetadataError(RuntimeError):
+    """The DCP metadata asked for something a checkpoint never needs."""
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Admit DCP metadata classes and torch dtypes; refuse every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeMetadataError(f"DCP metadata refers to {module}.{name}, which a snapshot never needs; refusing to unpickle it")
+
+
+def load_metadata(dcp_dir: Path) -> Metadata:
+    """Read ``.metadata`` safely and check it describes tensors only."""
+    with open(dcp_dir / ".metadata", "rb") as stream:
+        try:
+            metadata = RestrictedUnpickler(stream).load()
+        except UnsafeMetadataError:
+            raise
+        except Exception as exc:  # a truncated or garbled pickle
+            raise UnsafeMetadataError(f"DCP metadata unreadable: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeMetadataError("DCP metadata is not a Metadata object")
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise UnsafeMetadataError(f"DCP item {key!r} is not a tensor; snapshots keep non-tensor state in JSON")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose metadata goes through :func:`load_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = load_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class HashingFileSystem(FileSystem):
+    """Records (size, digest) of every file DCP writes, keyed by final file name."""
+
+    def __init__(self, algorithm: str, on_write: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self.algorithm = algorithm
+        self.on_write = on_write
+        self.digests: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as raw:
+            stream = HashingWriter(raw, self.algorithm)
+            yield stream  # type: ignore[misc]
+            if self.on_write is not None:
+                self.on_write(Path(path).name)
+            with self._lock:
+                self.digests[Path(path).name] = (stream.size, stream.hexdigest())
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if Path(path).name in self.digests:
+                self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
+
+
+def hashing_writer(dcp_dir: Path, algorithm: str, on_write: Callable[[str], None] | None = None) -> FileSystemWriter:
+    """A FileSystemWriter (fsync on, one file per rank) that hashes what it writes."""
+    writer = FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+    writer.fs = HashingFileSystem(algorithm, on_write)
+    return writer
+
+
+def allocate_from_metadata(metadata: Metadata, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Empty CPU tensors shaped like the stored ones, for DCP to load into."""
+    missing = [key for key in keys if key not in metadata.state_dict_metadata]
+    if missing:
+        raise KeyError(f"snapshot has no tensor {missing[0]!r}")
+    out = {}
+    for key in keys:
+        item = metadata.state_dict_metadata[key]
+        out[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+    return out

@@ -1,0 +1,102 @@
+"""Contract C1: everything the supervisor hands a worker, as ``CKPTRUN_*`` variables.
+
+This is the only module that spells a ``CKPTRUN_`` name. The supervisor builds a
+:class:`RunEnv` and calls :meth:`RunEnv.to_env`; the worker calls
+:meth:`RunEnv.from_env` in ``init()``. A worker started without ckptrun (plain
+``torchrun`` or ``python``) gets the field defaults, so the same script runs
+either way. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PREFIX = "CKPTRUN_"
+PrecisionMode = Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"]
+HashAlgorithm = Literal["sha256", "blake3"]
+
+
+class EnvError(ValueError):
+    """A ``CKPTRUN_*`` variable is malformed; the message names it and the fix."""
+
+
+class RunEnv(BaseModel):
+    """The worker's view of its run. Field docs say what the supervisor promises."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str = Field("local", description="Names the run; every manifest carries it.")
+    run_dir: Path = Field(Path("runs/local"), description="Run directory (contract C3).")
+    ckpt_dir: Path | None = Field(None, description="Snapshot directory; default RUN_DIR/checkpoints.")
+    attempt: int = Field(1, ge=1, description="1 for the first attempt, +1 per restart.")
+    supervised: bool = Field(False, description="True under `ckptrun launch`: the supervisor picks and verifies the snapshot.")
+    supervisor_pid: int | None = Field(None, description="Workers exit when this process is gone.")
+    supervisor_start_time: float | None = Field(None, description="psutil create_time of the supervisor, guards against pid reuse.")
+    resume_from: Path | None = Field(None, description="Snapshot verified by the supervisor; load exactly this one.")
+    precision: PrecisionMode = Field("auto", description="Precision policy (issue: precision).")
+    save_every_steps: int | None = Field(None, ge=1, description="Save every N optimizer steps.")
+    save_every_seconds: float | None = Field(None, gt=0, description="Save when T seconds passed since the last save (rank 0 decides).")
+    keep_last: int = Field(3, ge=1, description="Verified snapshots of the lineage kept besides milestones.")
+    keep_every: int | None = Field(None, ge=1, description="Snapshots at multiples of M steps are milestones, never deleted.")
+    max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that stop the run (exit 1).")
+    heartbeat_interval: float = Field(1.0, gt=0, description="Seconds between heartbeat writes of a rank.")
+    seed: int = Field(0, description="Base seed; rank r seeds python, numpy and torch with seed + r.")
+    deterministic: bool = Field(True, description="torch.use_deterministic_algorithms and fixed seeds.")
+    threads: int | None = Field(None, ge=1, description="torch.set_num_threads in each worker (default: torch's).")
+    hash_algorithm: HashAlgorithm = Field("sha256", description="Digest recorded for every snapshot file.")
+    allow_changes: tuple[str, ...] = Field((), description="Config keys that may differ from the snapshot's on resume.")
+    fault: str | None = Field(None, description="Fault injection spec for tests (see runtime.faults).")
+
+    @field_validator("allow_changes", mode="before")
+    @classmethod
+    def _split_csv(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.ckpt_dir if self.ckpt_dir is not None else self.run_dir / "checkpoints"
+
+    def to_env(self) -> dict[str, str]:
+        """Serialise to ``CKPTRUN_*`` variables (unset fields are left out)."""
+        env: dict[str, str] = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "1" if value else "0"
+            elif isinstance(value, (tuple, list)):
+                text = ",".join(value)
+            else:
+                text = str(value)
+            env[PREFIX + name.upper()] = text
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "RunEnv":
+        """Parse and validate ``CKPTRUN_*`` variables; unknown ones are an error."""
+        environ = os.environ if environ is None else environ
+        fields = {}
+        for key, text in environ.items():
+            if not key.startswith(PREFIX):
+                continue
+            name = key[len(PREFIX):].lower()
+            if name not in cls.model_fields:
+                raise EnvError(f"unknown variable {key}; unset it (known: {', '.join(known_variables())})")
+            fields[name] = text
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            var = PREFIX + str(first["loc"][0]).upper() if first["loc"] else PREFIX
+            raise EnvError(f"{var}={fields.get(str(first['loc'][0]) if first['loc'] else '', '')!r}: {first['msg']}") from None
+
+
+def known_variables() -> list[str]:
+    """Every ``CKPTRUN_*`` name of the contract, for docs and the frozen-API test."""
+    return [PREFIX + name.upper() for name in RunEnv.model_fields]

@@ -1,0 +1,72 @@
+"""Fault injection specs (contract C1's ``fault`` field), parsed without torch.
+
+Grammar, several specs joined by ``;``::
+
+    kill:rank=R:step=S                SIGKILL this rank once step S is done (after any save at S)
+    kill:rank=R:step=S:micro=M        ... after M micro-batches of the step that follows S
+    hang:rank=R:step=S                stop making progress (alive, silent) after step S
+    exit:rank=R:step=S:code=C         exit with code C after step S
+    kill-during-save:rank=R[:phase=P][:step=S]   SIGKILL while saving; P in PHASES
+    skip-rng-restore                  test only: restore everything except the RNG states
+
+Each fires on the first attempt only unless ``attempt=N`` or ``attempt=any`` is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("kill", "hang", "exit", "kill-during-save", "skip-rng-restore")
+SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish")
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    micro: int | None = None
+    code: int = 1
+    phase: str = "persist"
+    attempt: int | None = 1  # None: every attempt
+
+    def applies(self, rank: int, attempt: int) -> bool:
+        return (self.rank is None or self.rank == rank) and (self.attempt is None or self.attempt == attempt)
+
+
+def parse_faults(spec: str | None) -> list[Fault]:
+    """Parse a spec string; raises :class:`FaultSpecError` naming the bad part."""
+    if not spec:
+        return []
+    return [_parse_one(part.strip()) for part in spec.split(";") if part.strip()]
+
+
+def _parse_one(text: str) -> Fault:
+    kind, *pairs = text.split(":")
+    if kind not in KINDS:
+        raise FaultSpecError(f"fault {text!r}: unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+    fields: dict[str, object] = {"kind": kind}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise FaultSpecError(f"fault {text!r}: {pair!r} is not key=value")
+        if key == "phase":
+            if value not in SAVE_PHASES:
+                raise FaultSpecError(f"fault {text!r}: phase must be one of {', '.join(SAVE_PHASES)}")
+            fields["phase"] = value
+        elif key == "attempt" and value == "any":
+            fields["attempt"] = None
+        elif key in ("rank", "step", "micro", "code", "attempt"):
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise FaultSpecError(f"fault {text!r}: {key} must be an integer, got {value!r}") from None
+        else:
+            raise FaultSpecError(f"fault {text!r}: unknown key {key!r}")
+    if kind in ("kill", "hang", "exit") and "step" not in fields:
+        raise FaultSpecError(f"fault {text!r}: needs step=S")
+    return Fault(**fields)  # type: ignore[arg-type]

@@ -1,0 +1,71 @@
+"""A worker's signs of life and its watch on the supervisor.
+
+Heartbeats are written from the training thread on purpose: a rank stuck in a
+collective or a hung data loader stops beating, which is what the supervisor's
+hang detection needs. The supervisor watchdog is a daemon thread: when the
+supervisor is gone (pid dead, or reused by another process) the worker exits,
+so a SIGKILLed supervisor leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ckptrun.runtime.records import Heartbeat, Phase, write_heartbeat
+
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+SUPERVISOR_GONE_EXIT = 75
+
+
+class Heartbeater:
+    """Writes this rank's heartbeat at most every ``interval`` seconds, and on every phase change."""
+
+    def __init__(self, run_dir: Path, rank: int, attempt: int, interval: float) -> None:
+        self.run_dir, self.rank, self.attempt, self.interval = run_dir, rank, attempt, interval
+        self.phase: Phase | None = None
+        self.last = 0.0
+        (run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
+
+    def beat(self, step: int, phase: Phase) -> None:
+        now = time.time()
+        if phase == self.phase and now - self.last < self.interval:
+            return
+        self.phase, self.last = phase, now
+        write_heartbeat(self.run_dir, Heartbeat(rank=self.rank, pid=os.getpid(), attempt=self.attempt, step=step, phase=phase, time=now))
+
+
+def enable_stack_dumps() -> None:
+    """On SIGUSR2, print every thread's Python stack to stderr (the rank's log) — used before a hang kill."""
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def supervisor_alive(pid: int, start_time: float | None) -> bool:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        return start_time is None or abs(process.create_time() - start_time) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def watch_supervisor(pid: int | None, start_time: float | None, period: float = 1.0) -> None:
+    """Exit this worker within ``period`` seconds of the supervisor's death."""
+    if pid is None:
+        return
+
+    def loop() -> None:
+        while True:
+            time.sleep(period)
+            if not supervisor_alive(pid, start_time):
+                sys.stderr.write(f"ckptrun: supervisor {pid} is gone; exiting\n")
+                sys.stderr.flush()
+                os._exit(SUPERVISOR_GONE_EXIT)
+
+    threading.Thread(target=loop, name="ckptrun-supervisor-watch", daemon=True).start()

@@ -1,0 +1,97 @@
+"""Contract C2's manifest: what a published snapshot holds, with a digest per file.
+
+A directory without a valid manifest is not a snapshot. The manifest is the
+last file written before the atomic rename, so its presence in a published
+directory means every file it lists was fsynced first. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+class ManifestError(ValueError):
+    """The manifest is missing, unreadable or invalid; the message says which."""
+
+
+class FileEntry(BaseModel):
+    """One file of a snapshot: where it is, how big, and its digest."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(description="Relative POSIX path inside the snapshot directory.")
+    size: int = Field(ge=0)
+    algorithm: str = Field(description="Hash algorithm of `digest` (sha256, blake3).")
+    digest: str = Field(description="Lower-case hex digest of the file's bytes.")
+
+    @field_validator("path")
+    @classmethod
+    def _confined(cls, value: str) -> str:
+        """Refuse paths that could leave the snapshot directory (invariant 5)."""
+        pure = PurePosixPath(value)
+        if not value or pure.is_absolute() or ".." in pure.parts or "\\" in value or value.startswith("~"):
+            raise ValueError(f"path {value!r} leaves the snapshot directory")
+        if pure.name == MANIFEST_NAME and len(pure.parts) == 1:
+            raise ValueError("the manifest cannot list itself")
+        return value
+
+
+class Manifest(BaseModel):
+    """Everything needed to trust, restore and trace one snapshot."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = Field(SCHEMA_VERSION, description="Bumped on incompatible changes.")
+    run_id: str
+    lineage: str = Field(description="Id of the line of snapshots this one continues.")
+    parent: str | None = Field(None, description="Name of the previous snapshot of this line, or the fork point.")
+    step: int = Field(ge=0, description="Optimizer steps completed.")
+    epoch: int = Field(0, ge=0)
+    samples_seen: int = Field(0, ge=0, description="Global samples consumed since the start of training.")
+    world_size: int = Field(ge=1)
+    precision: str = "fp32"
+    config: dict[str, Any] = Field(default_factory=dict, description="The training script's config at save time.")
+    torch_version: str = ""
+    code_version: str = Field("", description="Digest of the training script (reported, not enforced, on resume).")
+    created: float = Field(default_factory=time.time)
+    files: list[FileEntry]
+    extra: dict[str, Any] = Field(default_factory=dict, description="Small facts for humans (save timings).")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_schema(cls, value: int) -> int:
+        if value != SCHEMA_VERSION:
+            raise ValueError(f"schema version {value} is not {SCHEMA_VERSION}; use the ckptrun that wrote it")
+        return value
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files)
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True)
+
+
+def read_manifest(snapshot_dir: Path) -> Manifest:
+    """Parse and validate ``snapshot_dir/manifest.json`` or raise :class:`ManifestError`."""
+    path = snapshot_dir / MANIFEST_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: missing") from None
+    except OSError as exc:
+        raise ManifestError(f"{path}: unreadable ({exc.strerror})") from None
+    try:
+        return Manifest.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "document"
+        raise ManifestError(f"{path}: invalid at {where}: {first['msg']}") from None

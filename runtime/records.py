@@ -1,0 +1,154 @@
+"""Contract C3: the run directory's shared records — heartbeats, events, metrics.
+
+Several processes append to the same JSONL file, so every append is one
+``O_APPEND`` write of one whole line (atomic for small writes on a local file
+system), and every reader tolerates a torn last line left by a process killed
+mid-write. Heartbeats are one small file per rank, replaced atomically.
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+EVENTS = "events.jsonl"
+METRICS = "metrics.jsonl"
+HEARTBEATS = "heartbeats"
+LOGS = "logs"
+FATAL = "fatal.json"
+
+Phase = Literal["init", "restore", "train", "save", "done", "stopping"]
+
+
+def _default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one record as a single O_APPEND write (floats keep full precision via repr)."""
+    line = (json.dumps(record, default=_default, allow_nan=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """All whole records of a JSONL file; a torn or garbled line is skipped."""
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            yield record
+
+
+def log_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
+    """Append an event (``event`` is its type, ``time`` unix seconds) to events.jsonl."""
+    record = {"event": event, "time": time.time(), **fields}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    append_jsonl(run_dir / EVENTS, record)
+    return record
+
+
+def read_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
+    records = read_jsonl(run_dir / EVENTS)
+    return [r for r in records if event is None or r.get("event") == event]
+
+
+def log_metrics(run_dir: Path, record: dict[str, Any]) -> None:
+    append_jsonl(run_dir / METRICS, record)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / METRICS)
+
+
+def losses_by_attempt(run_dir: Path) -> dict[int, dict[int, float]]:
+    """{attempt: {step: loss}} from metrics.jsonl, for exactness checks and the resume verdict."""
+    table: dict[int, dict[int, float]] = {}
+    for record in read_metrics(run_dir):
+        if "loss" in record and "step" in record:
+            table.setdefault(int(record.get("attempt", 1)), {})[int(record["step"])] = float(record["loss"])
+    return table
+
+
+def final_losses(run_dir: Path) -> dict[int, float]:
+    """{step: loss} as the run finally saw it: later attempts overwrite replayed steps."""
+    merged: dict[int, float] = {}
+    for attempt in sorted(losses_by_attempt(run_dir)):
+        merged.update(losses_by_attempt(run_dir)[attempt])
+    return merged
+
+
+def same_float(a: float, b: float) -> bool:
+    """Bitwise float equality that also treats NaN == NaN."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+class Heartbeat(BaseModel):
+    """One rank's latest sign of life."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = 1
+    rank: int
+    pid: int
+    attempt: int
+    step: int
+    phase: Phase
+    time: float
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / HEARTBEATS / f"rank-{rank:05d}.json"
+
+
+def write_heartbeat(run_dir: Path, beat: Heartbeat) -> None:
+    """Replace the rank's heartbeat file atomically (no fsync: liveness, not durability)."""
+    path = heartbeat_path(run_dir, beat.rank)
+    tmp = path.with_name(f".{path.name}.{beat.pid}")
+    tmp.write_text(beat.model_dump_json())
+    os.replace(tmp, path)
+
+
+def read_heartbeats(run_dir: Path) -> dict[int, Heartbeat]:
+    beats: dict[int, Heartbeat] = {}
+    for path in (run_dir / HEARTBEATS).glob("rank-*.json"):
+        try:
+            beat = Heartbeat.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            continue
+        beats[beat.rank] = beat
+    return beats
+
+
+def write_fatal(run_dir: Path, rank: int, reason: str, exit_code: int) -> None:
+    """A worker's word that a restart cannot help (refused config, anomaly stop, bad precision)."""
+    append_jsonl(run_dir / FATAL, {"rank": rank, "reason": reason, "exit_code": exit_code, "time": time.time()})
+
+
+def read_fatal(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / FATAL)

@@ -1,0 +1,412 @@
+"""The training script's handle on ckptrun: ``run = init()`` … ``run.finish()``.
+
+A :class:`Run` owns the tracked state (model, optimizer, scheduler, scaler,
+EMA, data loader, anything with ``state_dict``), the step counter, the save
+cadence and the per-step decisions all ranks must share. Those decisions —
+save now (clock-based, rank 0's clock), stop now (a stop request seen by any
+rank) — ride on one small all-reduce together with the step's loss, so ranks
+never disagree and the cost is one collective of four numbers per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ckptrun.runtime import collectives, records, rng, snapshot, store
+from ckptrun.runtime.env import RunEnv
+from ckptrun.runtime.faults import Fault, parse_faults
+from ckptrun.runtime.liveness import Heartbeater, enable_stack_dumps, watch_supervisor
+from ckptrun.runtime.policies import FailedSaves, Retention, SaveCadence
+from ckptrun.runtime.treecodec import join, split
+from ckptrun.runtime.verify import newest_verified, verify_snapshot
+
+EXIT_FAILED, EXIT_STOPPED, EXIT_UNRECOVERABLE = 1, 3, 4
+DEFAULT_ALLOWED = ("steps", "max_steps", "total_steps", "epochs", "max_epochs")
+ALLOWED_PREFIXES = ("save_", "log", "eval_", "keep_", "ckpt", "checkpoint", "out")
+ALLOWED_SUFFIXES = ("_dir", "dir", "_path", "path", "_file")
+
+
+def _change_allowed(key: str, allowed: Sequence[str]) -> bool:
+    return (key in allowed or key in DEFAULT_ALLOWED or key.startswith(ALLOWED_PREFIXES)
+            or key.endswith(ALLOWED_SUFFIXES))
+
+
+def _code_version() -> str:
+    try:
+        return hashlib.sha256(Path(sys.argv[0]).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return ""
+
+
+def _unwrap(obj: Any) -> Any:
+    """The module inside DDP, so snapshot keys do not depend on the wrapper."""
+    return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+
+
+class FaultInjector:
+    """Fires the test faults of C1 at the points the spec names (see runtime.faults)."""
+
+    def __init__(self, faults: list[Fault], rank: int, attempt: int) -> None:
+        self.faults = [f for f in faults if f.applies(rank, attempt)]
+
+    def has(self, kind: str) -> bool:
+        return any(f.kind == kind for f in self.faults)
+
+    def after_step(self, step: int) -> None:
+        for fault in self.faults:
+            if fault.step == step and fault.micro is None:
+                self._fire(fault)
+
+    def inside_step(self, done_step: int, micro: int) -> None:
+        for fault in self.faults:
+            if fault.step == done_step and fault.micro == micro:
+                self._fire(fault)
+
+    def during_save(self, step: int, phase: str) -> None:
+        for fault in self.faults:
+            if fault.kind == "kill-during-save" and fault.phase == phase and fault.step in (None, step):
+                self._fire(fault)
+
+    def _fire(self, fault: Fault) -> None:
+        sys.stdout.flush()
+        sys.stderr.write(f"ckptrun: injected fault {fault.kind} at step {fault.step}\n")
+        sys.stderr.flush()
+        if fault.kind in ("kill", "kill-during-save"):
+            os.kill(os.getpid(), 9)
+        elif fault.kind == "exit":
+            os._exit(fault.code)
+        elif fault.kind == "hang":
+            while True:
+                time.sleep(3600)
+
+
+class Run:
+    """State, counters and policy of one training process. Create it with :func:`init`."""
+
+    def __init__(self, env: RunEnv, config: dict[str, Any]) -> None:
+        self.env = env
+        self.config = dict(config)
+        self.rank, self.world_size = collectives.rank(), collectives.world_size()
+        self.run_dir = env.run_dir
+        self.ckpt_dir = env.checkpoint_dir
+        self.step = 0
+        self.total_steps: int | None = None
+        self.objects: dict[str, Any] = {}
+        self.cadence = SaveCadence(env.save_every_steps, env.save_every_seconds)
+        self.retention = Retention(env.keep_last, env.keep_every)
+        self.failed_saves = FailedSaves(env.max_failed_saves)
+        self.faults = FaultInjector(parse_faults(env.fault), self.rank, env.attempt)
+        self.heart = Heartbeater(self.run_dir, self.rank, env.attempt, env.heartbeat_interval)
+        self.stager = snapshot.Stager()
+        self.code_version = _code_version()
+        self.lineage = ""
+        self.parent: str | None = None
+        self.last_save_time = time.monotonic()
+        self.last_step_time = time.monotonic()
+        self.saved_step: int | None = None
+        self.restored_from: Path | None = None
+
+    # --- registration and restore ------------------------------------------
+
+    def track(self, **objects: Any) -> None:
+        """Register everything that must survive a restart (each needs state_dict/load_state_dict)."""
+        for name, obj in objects.items():
+            if obj is None:
+                continue
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                hint = " (use ckptrun.runtime.DataLoader for a resumable data position)" if isinstance(obj, torch.utils.data.DataLoader) else ""
+                raise TypeError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict{hint}")
+            self.objects[name] = obj
+
+    def restore(self) -> int:
+        """Load the snapshot this attempt resumes from, if any; returns the step to continue from."""
+        self.heart.beat(self.step, "restore")
+        chosen = self._choose_snapshot()
+        if chosen is None:
+            return self.step
+        started = time.monotonic()
+        try:
+            loaded = snapshot.load(chosen)
+        except (snapshot.LoadError, OSError, ValueError, KeyError, RuntimeError) as exc:
+            self._refuse(f"snapshot {chosen} does not load: {exc}", EXIT_FAILED, fatal=False)
+        self._check_compatible(loaded.manifest)
+        self._apply(loaded)
+        self.restored_from, self.parent = chosen, chosen.name
+        self.saved_step = self.step
+        if self.rank == 0:
+            records.log_event(self.run_dir, "restored", attempt=self.env.attempt, snapshot=str(chosen),
+                              step=self.step, seconds=time.monotonic() - started,
+                              verified_by="supervisor" if self.env.resume_from else "runtime")
+        return self.step
+
+    def _choose_snapshot(self) -> Path | None:
+        """Supervised: exactly the snapshot named in C1 (sizes checked). Otherwise rank 0 verifies and picks."""
+        if self.env.resume_from is not None:
+            path = self.env.resume_from
+            problem = None
+            if self.rank == 0:
+                try:
+                    snapshot.check_sizes(path, snapshot.read_manifest(path))
+                except Exception as exc:  # noqa: BLE001 - any failure here is fatal for the attempt
+                    problem = str(exc)
+            problem = collectives.broadcast_object(problem)
+            if problem:
+                self._refuse(f"snapshot {path} named for this attempt does not load: {problem}", EXIT_FAILED, fatal=False)
+            return path
+        if self.env.supervised:
+            return None
+        choice = None
+        if self.rank == 0:
+            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+            choice = str(report.path) if report else None
+        choice = collectives.broadcast_object(choice)
+        return Path(choice) if choice else None
+
+    def _check_compatible(self, manifest: snapshot.Manifest) -> None:
+        if manifest.world_size != self.world_size:
+            self._refuse(f"snapshot step {manifest.step} was written by {manifest.world_size} ranks but this run has "
+                         f"{self.world_size}; resume with --nproc-per-node {manifest.world_size} (resharding is not supported yet)")
+        changed = sorted(k for k in set(manifest.config) | set(self.config)
+                         if manifest.config.get(k) != self.config.get(k) and not _change_allowed(k, self.env.allow_changes))
+        if changed:
+            detail = ", ".join(f"{k}: {manifest.config.get(k)!r} -> {self.config.get(k)!r}" for k in changed)
+            self._refuse(f"config changed since snapshot step {manifest.step} ({detail}); "
+                         f"allow it with --allow-change {','.join(changed)} or start a new run")
+        if manifest.code_version and manifest.code_version != self.code_version and self.rank == 0:
+            records.log_event(self.run_dir, "code_changed", snapshot_code=manifest.code_version, code=self.code_version)
+            print(f"ckptrun: note: the training script changed since snapshot step {manifest.step}", file=sys.stderr)
+
+    def _apply(self, loaded: snapshot.Loaded) -> None:
+        tree = loaded.shared_tree
+        for name, obj in self.objects.items():
+            if name not in tree["objects"]:
+                self._refuse(f"snapshot has no state for {name!r} (tracked now, not when it was saved)")
+            _unwrap(obj).load_state_dict(join(tree["objects"][name], loaded.shared_tensors))
+        self.step = tree["counters"]["step"]
+        if not self.faults.has("skip-rng-restore"):
+            rng.restore(loaded.rank_tree["rng"], loaded.rank_tensors)
+        self.lineage = store.read_lineage(self.ckpt_dir).current if store.read_lineage(self.ckpt_dir) else loaded.manifest.lineage
+
+    def _refuse(self, message: str, code: int = EXIT_UNRECOVERABLE, fatal: bool = True) -> None:
+        """Stop this worker; with ``fatal`` the supervisor will not retry."""
+        if fatal and self.rank == 0:
+            records.write_fatal(self.run_dir, self.rank, message, code)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(code)
+
+    # --- the training loop ----------------------------------------------------
+
+    def batches(self, loader: Any, steps: int, accumulate: int = 1) -> Iterator[Any]:
+        """Yield one batch (or a list of ``accumulate`` micro-batches) per optimizer step until ``steps``."""
+        self.total_steps = steps
+        iterator, empty_epochs = None, 0
+        while self.step < steps:
+            group: list[Any] = []
+            while len(group) < accumulate:
+                if iterator is None:
+                    iterator = iter(loader)
+                try:
+                    group.append(next(iterator))
+                    empty_epochs = 0
+                except StopIteration:
+                    iterator, empty_epochs = None, empty_epochs + 1
+                    if empty_epochs > 1:
+                        raise RuntimeError("the data loader yields no batch: dataset smaller than one global batch") from None
+            self.heart.beat(self.step, "train")
+            yield group[0] if accumulate == 1 else group
+
+    def train_step(self, micro_batches: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor], max_norm: float | None = None) -> float:
+        """One optimizer step over ``micro_batches`` (accumulated, DDP-synchronised on the last only)."""
+        model, optimizer = self.objects["model"], self.objects["optimizer"]
+        scheduler, scaler = self.objects.get("scheduler"), self.objects.get("scaler")
+        count, total = len(micro_batches), 0.0
+        for index, batch in enumerate(micro_batches):
+            self.faults.inside_step(self.step, index)
+            syncing = index == count - 1 or not hasattr(model, "no_sync")
+            with contextlib.nullcontext() if syncing else model.no_sync():
+                loss = loss_fn(batch)
+                scaled = loss / count
+                (scaler.scale(scaled) if scaler else scaled).backward()
+            total += float(loss.detach())
+        grad_norm = None
+        if scaler:
+            scaler.unscale_(optimizer)
+        if max_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        ema = self.objects.get("ema")
+        if ema is not None and hasattr(ema, "update_parameters"):
+            ema.update_parameters(getattr(model, "module", model))
+        optimizer.zero_grad(set_to_none=True)
+        return self.end_step(total / count, grad_norm=grad_norm)
+
+    def end_step(self, loss: float | torch.Tensor, **metrics: Any) -> float:
+        """Close an optimizer step: share decisions, log, save on cadence, obey stop requests."""
+        self.step += 1
+        local = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        wants_stop = float(self._stop_requested())
+        wants_save = float(self.rank == 0 and self.cadence.time_due(time.monotonic(), self.last_save_time))
+        loss_sum, stops, saves = collectives.all_reduce_sum([local, wants_stop, wants_save])
+        mean_loss = loss_sum / self.world_size
+        self._log_step(mean_loss, metrics)
+        self.heart.beat(self.step, "train")
+        if stops > 0:
+            self._stop()
+        if saves > 0 or self.cadence.step_due(self.step):
+            self.save()
+        self.faults.after_step(self.step)
+        return mean_loss
+
+    def _log_step(self, loss: float, metrics: dict[str, Any]) -> None:
+        now = time.monotonic()
+        elapsed, self.last_step_time = now - self.last_step_time, now
+        if self.rank != 0:
+            return
+        record = {"step": self.step, "attempt": self.env.attempt, "loss": loss, "time": time.time(), "step_time_s": elapsed}
+        optimizer = self.objects.get("optimizer")
+        if optimizer is not None:
+            record["lr"] = optimizer.param_groups[0]["lr"]
+        loader = self.objects.get("loader")
+        if loader is not None and hasattr(loader, "global_batch"):
+            record["epoch"] = loader.epoch
+            record["samples_seen"] = loader.samples_seen
+        record.update({k: v for k, v in metrics.items() if v is not None})
+        records.log_metrics(self.run_dir, record)
+
+    # --- saving -----------------------------------------------------------------
+
+    def save(self) -> snapshot.SaveResult:
+        """Collectively save a snapshot of the whole state at this step boundary."""
+        self.heart.beat(self.step, "save")
+        started = time.monotonic()
+        result = snapshot.save(self.ckpt_dir, self._collect(), self._info(), self.stager, self.env.hash_algorithm,
+                               fault=lambda phase: self.faults.during_save(self.step, phase))
+        self.last_save_time = time.monotonic()
+        if result.ok:
+            self.parent, self.saved_step = result.path.name, self.step  # type: ignore[union-attr]
+            if self.rank == 0:
+                records.log_event(self.run_dir, "snapshot_saved", step=self.step, path=str(result.path), bytes=result.bytes,
+                                  stall_s=result.stall_s, write_s=result.persist_s + result.publish_s,
+                                  persist_s=result.persist_s, publish_s=result.publish_s, total_s=self.last_save_time - started)
+                self._apply_retention()
+        elif self.rank == 0:
+            records.log_event(self.run_dir, "save_failed", step=self.step, error=result.error)
+            print(f"ckptrun: SAVE FAILED at step {self.step}: {result.error}", file=sys.stderr, flush=True)
+        if self.failed_saves.record(result.ok):
+            self._refuse(f"{self.failed_saves.consecutive} consecutive saves failed (last: {result.error}); "
+                         "free disk space or fix the checkpoint dir, then `ckptrun resume --latest`", EXIT_FAILED)
+        self.heart.beat(self.step, "train")
+        return result
+
+    def _collect(self) -> snapshot.State:
+        trees, tensors = {}, {}
+        for name, obj in self.objects.items():
+            state = _unwrap(obj).state_dict()
+            trees[name], own = split(state, name)
+            tensors.update(own)
+        rng_tree, rng_tensors = rng.capture()
+        shared_tree = {"objects": trees, "counters": {"step": self.step}, "config": self.config}
+        return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors)
+
+    def _info(self) -> snapshot.SnapshotInfo:
+        loader = self.objects.get("loader")
+        return snapshot.SnapshotInfo(
+            run_id=self.env.run_id, lineage=self.lineage, parent=self.parent, step=self.step,
+            epoch=getattr(loader, "epoch", 0), samples_seen=getattr(loader, "samples_seen", 0),
+            precision="fp32", config=self.config, code_version=self.code_version,
+        )
+
+    def _apply_retention(self) -> None:
+        """Rank 0, after a publish: delete what the policy allows once the newest is verified."""
+        lineage = store.read_lineage(self.ckpt_dir)
+        chain = []
+        for entry in store.list_entries(self.ckpt_dir, include_abandoned=False):
+            if entry.kind == "published":
+                try:
+                    manifest = snapshot.read_manifest(entry.path)
+                except ValueError:
+                    continue
+                if lineage is None or lineage.contains(manifest):
+                    chain.append(entry)
+        doomed = set(self.retention.to_delete([e.step for e in chain]))
+        if not doomed:
+            return
+        newest = max(chain, key=lambda e: e.step)
+        if not verify_snapshot(newest.path).ok:
+            records.log_event(self.run_dir, "retention_skipped", reason=f"{newest.name} does not verify")
+            return
+        for entry in chain:
+            if entry.step in doomed:
+                store.delete_snapshot(entry.path)
+                records.log_event(self.run_dir, "snapshot_deleted", step=entry.step, path=str(entry.path))
+
+    # --- stopping -------------------------------------------------------------
+
+    def _stop_requested(self) -> bool:
+        return (self.run_dir / "stop").exists()
+
+    def _stop(self) -> None:
+        """Agreed stop: emergency snapshot at this boundary (unless just saved), then exit 3."""
+        if self.saved_step != self.step:
+            self.save()
+        if self.rank == 0:
+            records.log_event(self.run_dir, "stopped", step=self.step, attempt=self.env.attempt)
+        self.heart.beat(self.step, "done")
+        collectives.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
+
+    def finish(self) -> None:
+        """End of training: a final snapshot (unless this step is saved), completion event, leave the group."""
+        if self.saved_step != self.step and self.step > 0:
+            self.save()
+        if self.rank == 0:
+            records.log_event(self.run_dir, "completed", step=self.step, attempt=self.env.attempt)
+        self.heart.beat(self.step, "done")
+        if collectives.active():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def init(config: dict[str, Any] | None = None) -> Run:
+    """Start this worker under ckptrun's policy (C1), or with defaults under plain torchrun/python."""
+    env = RunEnv.from_env()
+    if "run_dir" not in env.model_fields_set:
+        env = env.model_copy(update={"run_dir": Path("runs") / Path(sys.argv[0]).stem})
+    if "RANK" in os.environ and not collectives.active():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    if env.threads:
+        torch.set_num_threads(env.threads)
+    if env.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    rng.seed_everything(env.seed + collectives.rank())
+    env.run_dir.mkdir(parents=True, exist_ok=True)
+    enable_stack_dumps()
+    watch_supervisor(env.supervisor_pid, env.supervisor_start_time)
+    run = Run(env, config or {})
+    run.heart.beat(0, "init")
+    if run.rank == 0:
+        run.lineage = store.ensure_lineage(run.ckpt_dir, env.run_id).current
+        store.clean_temp_dirs(run.ckpt_dir)
+    run.lineage = collectives.broadcast_object(run.lineage)
+    return run

@@ -1,0 +1,281 @@
+"""Saving and loading the whole training state as one verified snapshot (contract C2).
+
+Three phases, kept apart even while they run inline:
+
+* **stage** — copy every tensor into host buffers allocated once and reused;
+  the only part the training step has to wait for.
+* **persist** — model/optimizer/EMA tensors through DCP (``dcp/``), small state
+  as JSON, per-rank RNG tensors through ``torch.save``; every byte hashed as it
+  is written, every file fsynced.
+* **publish** — ranks agree everything is written; rank 0 writes and fsyncs the
+  manifest and renames the temp dir into place (``store.publish``).
+
+Loading reads only what the manifest lists, through loaders that run no code:
+the restricted DCP reader, ``torch.load(weights_only=True)`` and JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptrun.runtime import collectives, store
+from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata
+from ckptrun.runtime.hashing import HashingWriter
+from ckptrun.runtime.manifest import FileEntry, Manifest, read_manifest
+
+DCP_DIR = "dcp"
+STATE_JSON = "state.json"
+
+
+def rank_json(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def rank_tensors(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+@dataclass
+class State:
+    """What one rank contributes to a snapshot.
+
+    ``shared_*`` is identical on every rank (model, optimizer, scheduler, config,
+    counters); ``rank_*`` is this rank's own (RNG states).
+    """
+
+    shared_tree: dict[str, Any]
+    shared_tensors: dict[str, torch.Tensor]
+    rank_tree: dict[str, Any]
+    rank_tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class SnapshotInfo:
+    """Manifest fields the caller knows and the store does not."""
+
+    run_id: str
+    lineage: str
+    parent: str | None
+    step: int
+    epoch: int
+    samples_seen: int
+    precision: str
+    config: dict[str, Any]
+    code_version: str
+
+
+@dataclass
+class SaveResult:
+    ok: bool
+    path: Path | None = None
+    bytes: int = 0
+    stall_s: float = 0.0
+    persist_s: float = 0.0
+    publish_s: float = 0.0
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class SaveFailed(Exception):
+    """This rank could not write its part; the save is abandoned on every rank."""
+
+
+FaultHook = Callable[[str], None]
+
+
+class Stager:
+    """Host buffers allocated once and reused by every save (first touch of new memory is slow)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        staged = {}
+        for key, tensor in tensors.items():
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                self._buffers[key] = buffer
+            buffer.copy_(tensor.detach())
+            staged[key] = buffer
+        return staged
+
+
+def save(
+    ckpt_dir: Path,
+    state: State,
+    info: SnapshotInfo,
+    stager: Stager,
+    algorithm: str = "sha256",
+    fault: FaultHook = lambda phase: None,
+) -> SaveResult:
+    """Stage, persist and publish a snapshot collectively; every rank gets the same result."""
+    started = time.monotonic()
+    rank, world = collectives.rank(), collectives.world_size()
+    temp_dir = collectives.broadcast_object(store.new_temp_dir(ckpt_dir, info.step) if rank == 0 else None)
+    fault("stage")
+    staged_shared = stager.stage(state.shared_tensors)
+    staged_rank = {k: t.detach().clone() for k, t in state.rank_tensors.items()}
+    stall = time.monotonic() - started
+    entries, error = _persist(temp_dir, state, staged_shared, staged_rank, rank, algorithm, fault)
+    persist_done = time.monotonic()
+    gathered = collectives.all_gather_object((entries, error))
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+    if errors:
+        if rank == 0:
+            store.clean_temp_dirs(ckpt_dir)
+        collectives.barrier()
+        return SaveResult(False, error="; ".join(errors), stall_s=stall)
+    fault("before-manifest")
+    result: Any = None
+    if rank == 0:
+        files = sorted((e for rank_entries, _ in gathered for e in rank_entries), key=lambda e: e.path)
+        result = _publish(temp_dir, files, info, world, fault)
+    else:
+        fault("before-publish")  # the publisher is rank 0; other ranks wait for it here
+    result = collectives.broadcast_object(result)
+    if isinstance(result, str):
+        return SaveResult(False, error=result, stall_s=stall)
+    path, total = result
+    now = time.monotonic()
+    return SaveResult(True, Path(path), total, stall, persist_done - started - stall, now - persist_done)
+
+
+def _persist(temp_dir: Path, state: State, shared: dict, own: dict, rank: int, algorithm: str, fault: FaultHook) -> tuple[list[FileEntry], str | None]:
+    """Write this rank's files; DCP runs collectively, so every rank must call it."""
+    entries: list[FileEntry] = []
+    error = None
+    writer = hashing_writer(temp_dir / DCP_DIR, algorithm, on_write=lambda name: fault("persist"))
+    try:
+        dcp.save(shared, storage_writer=writer)
+    except BaseException as exc:  # CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = f"DCP save failed: {_first_line(exc)}"
+    entries += [FileEntry(path=f"{DCP_DIR}/{name}", size=size, algorithm=algorithm, digest=digest)
+                for name, (size, digest) in writer.fs.digests.items()]
+    if error:
+        return entries, error
+    try:
+        if rank == 0:
+            entries.append(_write_json(temp_dir / STATE_JSON, state.shared_tree, algorithm))
+        entries.append(_write_json(temp_dir / rank_json(rank), state.rank_tree, algorithm))
+        entries.append(_write_tensors(temp_dir / rank_tensors(rank), own, algorithm))
+    except OSError as exc:
+        error = f"writing {exc.filename or 'snapshot file'} failed: {exc.strerror or exc}"
+    return entries, error
+
+
+def _first_line(exc: BaseException) -> str:
+    """A one-line cause, digging into DCP's per-rank failures."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))
+        exc = exc[0] if isinstance(exc, tuple) else exc
+    text = f"{type(exc).__name__}: {exc}".strip()
+    for marker in ("No space left", "Errno", "Permission denied"):
+        index = text.find(marker)
+        if index >= 0:
+            return text[index:].splitlines()[0][:300]
+    return text.splitlines()[0][:300]
+
+
+def _write_json(path: Path, tree: Any, algorithm: str) -> FileEntry:
+    data = json.dumps(tree, sort_keys=True, allow_nan=True).encode()
+    return _write_bytes(path, lambda stream: stream.write(data), algorithm)
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], algorithm: str) -> FileEntry:
+    return _write_bytes(path, lambda stream: torch.save(tensors, stream), algorithm)
+
+
+def _write_bytes(path: Path, write: Callable[[Any], Any], algorithm: str) -> FileEntry:
+    with open(path, "wb") as raw:
+        stream = HashingWriter(raw, algorithm)
+        write(stream)
+        stream.fsync()
+    return FileEntry(path=path.name, size=stream.size, algorithm=algorithm, digest=stream.hexdigest())
+
+
+def _publish(temp_dir: Path, files: list[FileEntry], info: SnapshotInfo, world: int, fault: FaultHook) -> tuple[str, int] | str:
+    """Rank 0: manifest last, then the atomic rename. Returns (path, bytes) or an error."""
+    manifest = Manifest(
+        run_id=info.run_id, lineage=info.lineage, parent=info.parent, step=info.step, epoch=info.epoch,
+        samples_seen=info.samples_seen, world_size=world, precision=info.precision, config=info.config,
+        torch_version=torch.__version__, code_version=info.code_version, files=files,
+    )
+    try:
+        for sub in {Path(f.path).parent for f in files if "/" in f.path}:
+            store.fsync_dir(temp_dir / sub)
+        store.write_manifest(temp_dir, manifest)
+        fault("before-publish")
+        final = store.publish(temp_dir, info.step)
+    except OSError as exc:
+        store.clean_temp_dirs(temp_dir.parent)
+        return f"publishing {store.snapshot_name(info.step)} failed: {exc.strerror or exc}"
+    return str(final), manifest.total_bytes
+
+
+# --- loading -------------------------------------------------------------------
+
+
+class LoadError(Exception):
+    """The snapshot named for this attempt does not load; fatal for the attempt."""
+
+
+@dataclass
+class Loaded:
+    manifest: Manifest
+    shared_tree: dict[str, Any]
+    shared_tensors: dict[str, torch.Tensor]
+    rank_tree: dict[str, Any]
+    rank_tensors: dict[str, torch.Tensor]
+
+
+def check_sizes(snapshot_dir: Path, manifest: Manifest) -> None:
+    """Cheap pre-load check for a snapshot whose digests were verified by the supervisor."""
+    for entry in manifest.files:
+        path = snapshot_dir / entry.path
+        if not path.resolve().is_relative_to(snapshot_dir.resolve()):
+            raise LoadError(f"{entry.path} leaves the snapshot directory")
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise LoadError(f"{snapshot_dir.name}/{entry.path} is missing") from None
+        if size != entry.size:
+            raise LoadError(f"{snapshot_dir.name}/{entry.path} is {size} bytes, manifest says {entry.size}")
+
+
+def load(snapshot_dir: Path, shared_keys: list[str] | None = None) -> Loaded:
+    """Collectively load a snapshot whose bytes were verified; every rank reads its own files.
+
+    ``shared_keys`` limits the DCP tensors loaded (default: every one the state tree refers to).
+    """
+    from ckptrun.runtime.treecodec import tensor_keys
+
+    rank = collectives.rank()
+    manifest = read_manifest(snapshot_dir)
+    if manifest.world_size != collectives.world_size():
+        raise LoadError(f"snapshot was written by {manifest.world_size} ranks, this run has {collectives.world_size()}")
+    listed = {entry.path for entry in manifest.files}
+    for needed in (STATE_JSON, rank_json(rank), rank_tensors(rank), f"{DCP_DIR}/.metadata"):
+        if needed not in listed:
+            raise LoadError(f"{snapshot_dir.name} does not list {needed}")
+    shared_tree = json.loads((snapshot_dir / STATE_JSON).read_text())
+    rank_tree = json.loads((snapshot_dir / rank_json(rank)).read_text())
+    own = torch.load(snapshot_dir / rank_tensors(rank), map_location="cpu", weights_only=True)
+    if not isinstance(own, dict) or not all(isinstance(v, torch.Tensor) for v in own.values()):
+        raise LoadError(f"{rank_tensors(rank)} does not hold a dict of tensors")
+    metadata = load_metadata(snapshot_dir / DCP_DIR)
+    keys = shared_keys if shared_keys is not None else tensor_keys(shared_tree)
+    shared = allocate_from_metadata(metadata, keys)
+    if shared:
+        dcp.load(shared, storage_reader=SafeReader(snapshot_dir / DCP_DIR))
+    return Loaded(manifest, shared_tree, shared, rank_tree, own)

@@ -1,0 +1,188 @@
+"""Checking snapshots against their manifests: the one place that says a snapshot is good.
+
+Used by ``ckptrun verify``, by the supervisor before a relaunch and by the
+runtime under plain torchrun. Files are hashed in parallel threads (hashlib
+releases the GIL on large buffers). Importable without torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ckptrun.runtime.hashing import hash_file
+from ckptrun.runtime.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, read_manifest
+from ckptrun.runtime.store import Entry, Lineage, list_entries, read_lineage
+
+OK, CORRUPT, INCOMPLETE, IN_PROGRESS, VANISHED = "ok", "corrupt", "incomplete", "in-progress", "vanished"
+
+
+@dataclass
+class SnapshotReport:
+    """The verdict on one snapshot directory."""
+
+    path: Path
+    step: int
+    status: str
+    problems: list[str] = field(default_factory=list)
+    manifest: Manifest | None = None
+    abandoned: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def files(self) -> int:
+        return len(self.manifest.files) if self.manifest else 0
+
+    @property
+    def bytes(self) -> int:
+        return self.manifest.total_bytes if self.manifest else 0
+
+    def to_json(self) -> dict:
+        return {
+            "path": str(self.path),
+            "step": self.step,
+            "status": self.status,
+            "problems": self.problems,
+            "lineage": self.manifest.lineage if self.manifest else None,
+            "abandoned": self.abandoned,
+            "files": self.files,
+            "bytes": self.bytes,
+            "created": self.manifest.created if self.manifest else None,
+        }
+
+
+def default_threads() -> int:
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+def _check_file(root: Path, entry: FileEntry, quick: bool, progress: Callable[[int], None] | None) -> str | None:
+    """A problem with one listed file, or None when it matches."""
+    path = root / entry.path
+    if not path.resolve().is_relative_to(root.resolve()):
+        return f"{entry.path}: leaves the snapshot directory"
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{entry.path}: missing"
+    if size != entry.size:
+        return f"{entry.path}: size {size} bytes, manifest says {entry.size}"
+    if quick:
+        return None
+    try:
+        _, digest = hash_file(path, entry.algorithm, progress)
+    except ValueError as exc:
+        return f"{entry.path}: {exc}"
+    if digest != entry.digest:
+        return f"{entry.path}: {entry.algorithm} {digest[:16]}…, manifest says {entry.digest[:16]}…"
+    return None
+
+
+def _unlisted(root: Path, manifest: Manifest) -> list[str]:
+    listed = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
+    found = {str(p.relative_to(root).as_posix()) for p in root.rglob("*") if p.is_file()}
+    return sorted(found - listed)
+
+
+def verify_snapshot(
+    path: Path,
+    quick: bool = False,
+    progress: Callable[[int], None] | None = None,
+    pool: ThreadPoolExecutor | None = None,
+) -> SnapshotReport:
+    """Check one snapshot: manifest valid, every file present, right size and (unless quick) digest."""
+    step = _step_of(path)
+    if not path.exists():
+        return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"])
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as exc:
+        if not path.exists():
+            return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"])
+        status = INCOMPLETE if "missing" in str(exc) else CORRUPT
+        return SnapshotReport(path, step, status, [str(exc)])
+    report = SnapshotReport(path, step, OK, manifest=manifest)
+    if manifest.step != step and step >= 0:
+        report.problems.append(f"manifest step {manifest.step} does not match directory name {path.name}")
+    own_pool = pool is None
+    pool = pool or ThreadPoolExecutor(default_threads())
+    try:
+        results = list(pool.map(lambda e: _check_file(path, e, quick, progress), manifest.files))
+    finally:
+        if own_pool:
+            pool.shutdown()
+    report.problems += [problem for problem in results if problem]
+    report.problems += [f"{name}: not listed in the manifest" for name in _unlisted(path, manifest)]
+    if not path.exists():
+        return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"], manifest)
+    if report.problems:
+        missing_only = all(p.endswith(": missing") for p in report.problems)
+        report.status = INCOMPLETE if missing_only else CORRUPT
+    return report
+
+
+def _step_of(path: Path) -> int:
+    name = path.name.lstrip(".")
+    try:
+        return int(name.split("-")[1].split(".")[0])
+    except (IndexError, ValueError):
+        return -1
+
+
+def verify_dir(
+    ckpt_dir: Path,
+    quick: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> list[SnapshotReport]:
+    """Reports for every published, abandoned and in-progress snapshot, oldest first."""
+    lineage = read_lineage(ckpt_dir)
+    reports = []
+    with ThreadPoolExecutor(default_threads()) as pool:
+        for entry in list_entries(ckpt_dir):
+            reports.append(_report_entry(entry, lineage, quick, progress, pool))
+    return reports
+
+
+def _report_entry(entry: Entry, lineage: Lineage | None, quick: bool, progress, pool) -> SnapshotReport:
+    if entry.kind == "temp":
+        return SnapshotReport(entry.path, entry.step, IN_PROGRESS, ["save in progress or interrupted (not published)"])
+    report = verify_snapshot(entry.path, quick, progress, pool)
+    outside = report.manifest is not None and lineage is not None and not lineage.contains(report.manifest)
+    report.abandoned = entry.kind == "abandoned" or outside
+    return report
+
+
+def bytes_to_verify(ckpt_dir: Path) -> int:
+    """Total listed bytes of published snapshots, for a progress bar's total."""
+    total = 0
+    for entry in list_entries(ckpt_dir):
+        if entry.kind != "temp":
+            try:
+                total += read_manifest(entry.path).total_bytes
+            except ManifestError:
+                pass
+    return total
+
+
+def newest_verified(ckpt_dir: Path, log: Callable[[str], None] = lambda _: None) -> SnapshotReport | None:
+    """The newest snapshot of the current lineage that verifies, saying why newer ones were skipped."""
+    lineage = read_lineage(ckpt_dir)
+    candidates = [e for e in list_entries(ckpt_dir, include_abandoned=False) if e.kind == "published"]
+    with ThreadPoolExecutor(default_threads()) as pool:
+        for entry in sorted(candidates, key=lambda e: e.step, reverse=True):
+            started = time.monotonic()
+            report = verify_snapshot(entry.path, pool=pool)
+            if report.ok and lineage is not None and report.manifest and not lineage.contains(report.manifest):
+                log(f"skipping {entry.name}: not in the current lineage")
+                continue
+            if report.ok:
+                log(f"using {entry.name}: verified {report.bytes} bytes in {time.monotonic() - started:.2f}s")
+                return report
+            log(f"skipping {entry.name} ({report.status}): {'; '.join(report.problems[:3])}")
+    return None
