@@ -139,11 +139,19 @@ def new_line_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+class LineageError(ValueError):
+    """lineage.json exists but cannot be read; the current line is unknown."""
+
+
 def read_lineage(ckpt_dir: Path) -> Lineage | None:
+    """The checkpoint dir's lineage, None when it has none yet; :class:`LineageError` when garbled."""
+    path = ckpt_dir / LINEAGE_NAME
     try:
-        return Lineage.model_validate_json((ckpt_dir / LINEAGE_NAME).read_text())
+        return Lineage.model_validate_json(path.read_text())
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as exc:
+        raise LineageError(f"{path}: unreadable ({str(exc).splitlines()[0]}); restore it or move it away") from None
 
 
 def ensure_lineage(ckpt_dir: Path, run_id: str) -> Lineage:
@@ -165,16 +173,15 @@ def fork(ckpt_dir: Path, fork_point: Path) -> Lineage:
     """
     manifest = read_manifest(fork_point)
     lineage = read_lineage(ckpt_dir) or Lineage(run_id=manifest.run_id, current=manifest.lineage, lines=[Line(id=manifest.lineage)])
-    old_line = lineage.current
     line = Line(id=new_line_id(), parent_line=manifest.lineage, fork_snapshot=fork_point.name, fork_step=manifest.step)
     lineage = Lineage(run_id=lineage.run_id, current=line.id, lines=[*lineage.lines, line])
     write_file_atomic(ckpt_dir / LINEAGE_NAME, lineage.model_dump_json(indent=1))
-    move_out_of_lineage(ckpt_dir, lineage, old_line)
+    move_out_of_lineage(ckpt_dir, lineage)
     return lineage
 
 
-def move_out_of_lineage(ckpt_dir: Path, lineage: Lineage, label: str) -> list[Path]:
-    """Move published snapshots that are not in the current lineage to ``abandoned/<label>/``."""
+def move_out_of_lineage(ckpt_dir: Path, lineage: Lineage) -> list[Path]:
+    """Move published snapshots that are not in the current lineage to ``abandoned/<their line>/``."""
     moved = []
     for entry in list_entries(ckpt_dir, include_abandoned=False):
         if entry.kind != "published":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from stat import S_ISREG
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,9 +69,14 @@ def _check_file(root: Path, entry: FileEntry, quick: bool, progress: Callable[[i
     if not path.resolve().is_relative_to(root.resolve()):
         return f"{entry.path}: leaves the snapshot directory"
     try:
-        size = path.stat().st_size
+        stat = path.stat()
     except FileNotFoundError:
         return f"{entry.path}: missing"
+    except OSError as exc:
+        return f"{entry.path}: unreadable ({exc.strerror or exc})"
+    if not S_ISREG(stat.st_mode):
+        return f"{entry.path}: not a regular file"
+    size = stat.st_size
     if size != entry.size:
         return f"{entry.path}: size {size} bytes, manifest says {entry.size}"
     if quick:
@@ -79,6 +85,8 @@ def _check_file(root: Path, entry: FileEntry, quick: bool, progress: Callable[[i
         _, digest = hash_file(path, entry.algorithm, progress)
     except ValueError as exc:
         return f"{entry.path}: {exc}"
+    except OSError as exc:
+        return f"{entry.path}: unreadable ({exc.strerror or exc})"
     if digest != entry.digest:
         return f"{entry.path}: {entry.algorithm} {digest[:16]}…, manifest says {entry.digest[:16]}…"
     return None
@@ -139,17 +147,21 @@ def verify_dir(
     ckpt_dir: Path,
     quick: bool = False,
     progress: Callable[[int], None] | None = None,
+    threads: int | None = None,
 ) -> list[SnapshotReport]:
     """Reports for every published, abandoned and in-progress snapshot, oldest first."""
     lineage = read_lineage(ckpt_dir)
     reports = []
-    with ThreadPoolExecutor(default_threads()) as pool:
+    with ThreadPoolExecutor(threads or default_threads()) as pool:
         for entry in list_entries(ckpt_dir):
-            reports.append(_report_entry(entry, lineage, quick, progress, pool))
+            reports.append(report_entry(entry, lineage, quick, progress, pool))
     return reports
 
 
-def _report_entry(entry: Entry, lineage: Lineage | None, quick: bool, progress, pool) -> SnapshotReport:
+def report_entry(
+    entry: Entry, lineage: Lineage | None, quick: bool, progress: Callable[[int], None] | None, pool: ThreadPoolExecutor
+) -> SnapshotReport:
+    """The verdict on one listed entry: in-progress temp dirs are not verified; abandoned ones are marked."""
     if entry.kind == "temp":
         return SnapshotReport(entry.path, entry.step, IN_PROGRESS, ["save in progress or interrupted (not published)"])
     report = verify_snapshot(entry.path, quick, progress, pool)

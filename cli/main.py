@@ -1,0 +1,60 @@
+"""The ``ckptrun`` command line: the typer app, global options, and the command list.
+
+Each command lives in its own module as a plain function decorated with
+:func:`ckptrun.cli.errors.command`; registering one is a single
+``app.command()(fn)`` line at the bottom of this file. Import hygiene matters
+here: ``ckptrun --help`` and ``ckptrun verify`` must not import torch, so
+command modules import heavy things inside the function that needs them.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from ckptrun.cli import errors
+from ckptrun.cli.verify import verify
+
+EPILOG = "\b\nExit codes (the same for every command):\n" + errors.exit_codes_help()
+
+app = typer.Typer(
+    name="ckptrun",
+    epilog=EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"ckptrun {version('ckptrun')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors too."),
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Launch PyTorch training with verified atomic snapshots, restart it on failure, measure recovery."""
+    errors.set_debug(debug)
+
+
+# --- commands: one line each (each module keeps heavy imports inside its command) ---
+
+app.command(epilog=EPILOG)(verify)
+
+
+def main() -> None:
+    """Console-script entry point (``ckptrun = ckptrun.cli.main:main``)."""
+    app(prog_name="ckptrun")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""``ckptrun verify PATH``: check every snapshot's bytes against its manifest.
+
+PATH is a checkpoint directory (``step-*`` snapshots, ``lineage.json``), a run
+directory (its ``checkpoints/`` is used), or one snapshot directory. The verdict
+per snapshot comes from :mod:`ckptrun.runtime.verify`; this module only picks
+what to check, shows progress on stderr and prints the report on stdout (a table,
+or one JSON document with ``--json``).
+
+Exit 0 when every published snapshot (abandoned ones included) verifies; saves in
+progress and snapshots deleted by retention during the scan do not fail it.
+Exit 1 when one is corrupt or incomplete, 2 when PATH is not something to verify.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import typer
+
+from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
+from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
+from ckptrun.runtime.store import (
+    ABANDONED_DIR,
+    LINEAGE_NAME,
+    SNAPSHOT_RE,
+    TEMP_RE,
+    Entry,
+    Lineage,
+    LineageError,
+    list_entries,
+    read_lineage,
+)
+from ckptrun.runtime.verify import (
+    CORRUPT,
+    IN_PROGRESS,
+    INCOMPLETE,
+    OK,
+    VANISHED,
+    SnapshotReport,
+    bytes_to_verify,
+    default_threads,
+    report_entry,
+)
+
+FAILING = (CORRUPT, INCOMPLETE)
+PATH_HINT = "pass a checkpoint directory (RUN_DIR/checkpoints), a run directory, or one step-NNNNNNNNN snapshot directory"
+
+
+@command
+def verify(
+    path: Path = typer.Argument(..., metavar="PATH", help="Checkpoint directory, run directory, or one snapshot directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout instead of a table."),
+    quick: bool = typer.Option(False, "--quick", help="Check that files exist with the right sizes; skip digests."),
+    threads: int | None = typer.Option(None, "--threads", min=1, metavar="N", help="Files hashed in parallel (default: CPUs, 2..8)."),
+) -> int:
+    """Check every snapshot's bytes against its manifest (exit 1 if any is corrupt or incomplete)."""
+    ckpt_dir, entries = _target(path)
+    lineage, lineage_problems = _lineage(ckpt_dir)
+    total = sum(_listed_bytes(e) for e in entries) if ckpt_dir is None else bytes_to_verify(ckpt_dir)
+    try:
+        with _progress(total, enabled=not quick and sys.stderr.isatty()) as progress:
+            reports = _verify_entries(entries, lineage, quick, progress, threads or default_threads())
+    except OSError as exc:
+        raise CkptrunError(f"cannot read {exc.filename}: {exc.strerror}", hint="check the file permissions and the mount") from exc
+    ok = not lineage_problems and not any(r.status in FAILING for r in reports)
+    if as_json:
+        _print_json(path, ok, quick, reports, lineage_problems)
+    else:
+        _print_table(reports, quick, lineage_problems)
+    return EXIT_OK if ok else EXIT_NO
+
+
+# --- what to verify ----------------------------------------------------------
+
+
+def _target(path: Path) -> tuple[Path | None, list[Entry]]:
+    """The checkpoint dir (None for a single snapshot) and the entries to check."""
+    path = path.absolute()
+    if path.name == MANIFEST_NAME and path.is_file():
+        path = path.parent
+    if not path.exists():
+        raise CkptrunError(f"{path}: no such directory", hint=PATH_HINT)
+    if not path.is_dir():
+        raise CkptrunError(f"{path} is not a directory", hint=PATH_HINT)
+    if (path / MANIFEST_NAME).exists() or (_looks_like_snapshot(path) and not _is_ckpt_dir(path)):
+        return None, [_single_entry(path)]
+    if _is_ckpt_dir(path):
+        return path, list_entries(path)
+    if _is_ckpt_dir(path / "checkpoints"):
+        sys.stderr.write(f"verifying {path / 'checkpoints'}\n")
+        return path / "checkpoints", list_entries(path / "checkpoints")
+    raise CkptrunError(
+        f"{path} is not a checkpoint directory: no step-NNNNNNNNN snapshots, no {LINEAGE_NAME}, no {MANIFEST_NAME}",
+        hint=PATH_HINT,
+    )
+
+
+def _looks_like_snapshot(path: Path) -> bool:
+    return bool(SNAPSHOT_RE.match(path.name) or TEMP_RE.match(path.name))
+
+
+def _is_ckpt_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / LINEAGE_NAME).is_file() or (path / ABANDONED_DIR).is_dir() or bool(list_entries(path)))
+
+
+def _single_entry(path: Path) -> Entry:
+    step = _step_of(path.name)
+    if TEMP_RE.match(path.name):
+        return Entry(path, step, "temp")
+    kind = "abandoned" if path.parent.parent.name == ABANDONED_DIR else "published"
+    return Entry(path, step, kind)
+
+
+def _step_of(name: str) -> int:
+    match = SNAPSHOT_RE.match(name) or TEMP_RE.match(name)
+    return int(match.group(1)) if match else -1
+
+
+def _lineage(ckpt_dir: Path | None) -> tuple[Lineage | None, list[str]]:
+    """The lineage that decides 'abandoned', and a problem when lineage.json is unreadable."""
+    if ckpt_dir is None:
+        return None, []
+    try:
+        return read_lineage(ckpt_dir), []
+    except LineageError as exc:
+        return None, [f"{exc}; cannot tell the current line from abandoned ones"]
+
+
+def _listed_bytes(entry: Entry) -> int:
+    if entry.kind == "temp":
+        return 0
+    try:
+        return read_manifest(entry.path).total_bytes
+    except ManifestError:
+        return 0
+
+
+# --- verifying ---------------------------------------------------------------
+
+
+def _verify_entries(
+    entries: list[Entry], lineage: Lineage | None, quick: bool, progress: Callable[[int], None] | None, threads: int
+) -> list[SnapshotReport]:
+    with ThreadPoolExecutor(threads) as pool:
+        return [report_entry(entry, lineage, quick, progress, pool) for entry in entries]
+
+
+@contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A thread-safe callback that advances a tqdm bar of bytes hashed, on stderr."""
+    if not enabled or total <= 0:
+        yield None
+        return
+    from tqdm import tqdm
+
+    lock = threading.Lock()
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="hashing", file=sys.stderr, leave=False) as bar:
+
+        def advance(count: int) -> None:
+            with lock:
+                bar.update(count)
+
+        yield advance
+
+
+# --- output ------------------------------------------------------------------
+
+
+def _print_json(path: Path, ok: bool, quick: bool, reports: list[SnapshotReport], problems: list[str]) -> None:
+    document = {
+        "ok": ok,
+        "path": str(path.absolute()),
+        "quick": quick,
+        "problems": problems,
+        "snapshots": [report.to_json() for report in reports],
+    }
+    sys.stdout.write(json.dumps(document, indent=2) + "\n")
+
+
+COLUMNS = ("STEP", "LINEAGE", "FILES", "SIZE", "AGE", "STATUS", "NOTE", "PROBLEM")
+
+
+def _print_table(reports: list[SnapshotReport], quick: bool, problems: list[str]) -> None:
+    now = time.time()
+    rows = [COLUMNS] + [_row(report, now) for report in reports]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
+    out = sys.stdout
+    if reports:
+        out.write("\n".join(line.rstrip() for line in lines) + "\n")
+    for problem in problems:
+        out.write(f"problem: {problem}\n")
+    out.write(_summary(reports, quick) + "\n")
+
+
+def _row(report: SnapshotReport, now: float) -> tuple[str, ...]:
+    manifest = report.manifest
+    problem = report.problems[0] if report.problems else ""
+    if len(report.problems) > 1:
+        problem += f" (+{len(report.problems) - 1} more, see --json)"
+    return (
+        str(report.step) if report.step >= 0 else report.path.name,
+        manifest.lineage[:8] if manifest else "-",
+        str(report.files) if manifest else "-",
+        human_bytes(report.bytes) if manifest else "-",
+        human_age(now - _created(report)),
+        report.status,
+        "abandoned" if report.abandoned else "",
+        problem,
+    )
+
+
+def _created(report: SnapshotReport) -> float:
+    if report.manifest is not None:
+        return report.manifest.created
+    try:
+        return report.path.stat().st_mtime
+    except OSError:
+        return time.time()
+
+
+def _summary(reports: list[SnapshotReport], quick: bool) -> str:
+    if not reports:
+        return "no snapshots found"
+    published = [r for r in reports if r.status != IN_PROGRESS]
+    counts = [(sum(r.status == status for r in published), status) for status in (OK, CORRUPT, INCOMPLETE, VANISHED)]
+    text = f"{len(published)} snapshot{'' if len(published) == 1 else 's'}, {human_bytes(sum(r.bytes for r in published))}: "
+    text += ", ".join(f"{count} {status}" for count, status in counts if count) or "none published"
+    in_progress, abandoned = len(reports) - len(published), sum(r.abandoned for r in reports)
+    text += f"; {in_progress} in progress" if in_progress else ""
+    text += f"; {abandoned} abandoned" if abandoned else ""
+    newest = [r.step for r in published if r.status == OK and not r.abandoned]
+    text += f"; newest verified: step {max(newest)}" if newest else "; no verified snapshot on the current line"
+    return text + (" (sizes only, --quick)" if quick else "")
+
+
+def human_bytes(count: int) -> str:
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{count} B"
+
+
+def human_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for limit, unit, div in ((120, "s", 1), (7200, "m", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{seconds / div:.0f}{unit}"
+    return f"{seconds / 86400:.0f}d"

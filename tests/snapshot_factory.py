@@ -1,0 +1,78 @@
+"""Synthetic snapshots for tests, built through runtime.store without torch.
+
+The files are arbitrary bytes: what matters to verify, retention and lineage is
+the manifest and the directory layout, not what the tensors mean.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ckptrun.runtime.store as store
+from ckptrun.runtime.hashing import hash_file
+from ckptrun.runtime.manifest import MANIFEST_NAME, FileEntry, Manifest
+
+RUN_ID = "test-run"
+
+
+def default_files(step: int) -> dict[str, bytes]:
+    return {
+        "model.bin": bytes(range(256)) * 8 + step.to_bytes(8, "little"),
+        "optim.bin": bytes(1000) + step.to_bytes(8, "little"),
+        "rank0/rng.json": json.dumps({"step": step, "seed": 0}).encode(),
+    }
+
+
+def make_snapshot(
+    ckpt_dir: Path,
+    step: int,
+    files: dict[str, bytes] | None = None,
+    run_id: str = RUN_ID,
+    parent: str | None = None,
+) -> Path:
+    """Write, hash and publish a snapshot of the current lineage at ``step``."""
+    lineage = store.ensure_lineage(ckpt_dir, run_id)
+    temp = store.new_temp_dir(ckpt_dir, step)
+    entries = [_write(temp, rel, data) for rel, data in (files or default_files(step)).items()]
+    manifest = Manifest(run_id=run_id, lineage=lineage.current, parent=parent, step=step, world_size=1, files=entries)
+    store.write_manifest(temp, manifest)
+    return store.publish(temp, step)
+
+
+def make_temp_dir(ckpt_dir: Path, step: int, suffix: str = "abc123") -> Path:
+    """A save in progress, named like store.new_temp_dir names one."""
+    path = ckpt_dir / f".{store.snapshot_name(step)}.tmp-{suffix}"
+    path.mkdir(parents=True)
+    (path / "model.bin").write_bytes(b"partial")
+    return path
+
+
+def _write(root: Path, rel: str, data: bytes) -> FileEntry:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    size, digest = hash_file(path, "sha256")
+    return FileEntry(path=rel, size=size, algorithm="sha256", digest=digest)
+
+
+# --- damage, as disks and people do it -----------------------------------------
+
+
+def flip_byte(path: Path, offset: int = 10) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path, keep: int = 5) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def manifest_dict(snapshot: Path) -> dict:
+    return json.loads((snapshot / MANIFEST_NAME).read_text())
+
+
+def write_manifest_dict(snapshot: Path, document: dict) -> None:
+    """Overwrite the manifest with a raw document (bypassing validation on purpose)."""
+    (snapshot / MANIFEST_NAME).write_text(json.dumps(document))
