@@ -100,3 +100,10 @@ class RunEnv(BaseModel):
 def known_variables() -> list[str]:
     """Every ``CKPTRUN_*`` name of the contract, for docs and the frozen-API test."""
     return [PREFIX + name.upper() for name in RunEnv.model_fields]
+
+
+def variable(field: str) -> str:
+    """The ``CKPTRUN_*`` name of one field, for code that looks for it in another process's environment."""
+    if field not in RunEnv.model_fields:
+        raise KeyError(f"RunEnv has no field {field!r}")
+    return PREFIX + field.upper()

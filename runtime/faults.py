@@ -7,6 +7,7 @@ Grammar, several specs joined by ``;``::
     hang:rank=R:step=S                stop making progress (alive, silent) after step S
     exit:rank=R:step=S:code=C         exit with code C after step S
     kill-during-save:rank=R[:phase=P][:step=S]   SIGKILL while saving; P in PHASES
+    enospc[:rank=R][:step=S]          test only: this rank's snapshot writes fail with ENOSPC from step S on
     skip-rng-restore                  test only: restore everything except the RNG states
 
 Each fires on the first attempt only unless ``attempt=N`` or ``attempt=any`` is given.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "kill-during-save", "skip-rng-restore")
+KINDS = ("kill", "hang", "exit", "kill-during-save", "enospc", "skip-rng-restore")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish")
 
 

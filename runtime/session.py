@@ -11,6 +11,7 @@ never disagree and the cost is one collective of four numbers per step.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import sys
@@ -73,6 +74,8 @@ class FaultInjector:
 
     def during_save(self, step: int, phase: str) -> None:
         for fault in self.faults:
+            if fault.kind == "enospc" and phase == "persist" and step >= (fault.step or 0):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
             if fault.kind == "kill-during-save" and fault.phase == phase and fault.step in (None, step):
                 self._fire(fault)
 
@@ -128,45 +131,53 @@ class Run:
             self.objects[name] = obj
 
     def restore(self) -> int:
-        """Load the snapshot this attempt resumes from, if any; returns the step to continue from."""
-        self.heart.beat(self.step, "restore")
-        chosen = self._choose_snapshot()
-        if chosen is None:
-            return self.step
-        started = time.monotonic()
-        try:
-            loaded = snapshot.load(chosen)
-        except (snapshot.LoadError, OSError, ValueError, KeyError, RuntimeError) as exc:
-            self._refuse(f"snapshot {chosen} does not load: {exc}", EXIT_FAILED, fatal=False)
-        self._check_compatible(loaded.manifest)
-        self._apply(loaded)
-        self.restored_from, self.parent = chosen, chosen.name
-        self.saved_step = self.step
-        if self.rank == 0:
-            records.log_event(self.run_dir, "restored", attempt=self.env.attempt, snapshot=str(chosen),
-                              step=self.step, seconds=time.monotonic() - started,
-                              verified_by="supervisor" if self.env.resume_from else "runtime")
-        return self.step
+        """Load the snapshot this attempt resumes from, if any; returns the step to continue from.
 
-    def _choose_snapshot(self) -> Path | None:
-        """Supervised: exactly the snapshot named in C1 (sizes checked). Otherwise rank 0 verifies and picks."""
-        if self.env.resume_from is not None:
-            path = self.env.resume_from
-            problem = None
+        Supervised: exactly the snapshot named in C1 (the supervisor verified it);
+        if it does not load, this attempt fails. Otherwise rank 0 verifies and
+        picks the newest snapshot of the lineage, falling back to older ones that
+        verify when one does not load, and says why.
+        """
+        self.heart.beat(self.step, "restore")
+        skipped: set[str] = set()
+        while True:
+            chosen = self._choose_snapshot(skipped)
+            if chosen is None:
+                if skipped:
+                    self._refuse(f"no snapshot in {self.ckpt_dir} loads (tried {', '.join(sorted(skipped))}); "
+                                 f"inspect them with `ckptrun verify {self.ckpt_dir}`")
+                return self.step
+            started = time.monotonic()
+            self._check_compatible(snapshot.read_manifest(chosen))
+            try:
+                loaded = snapshot.load(chosen)
+            except snapshot.LoadError as exc:
+                self._restore_failed(chosen, str(exc))
+                skipped.add(chosen.name)
+                continue
+            self._apply(loaded)
+            self.restored_from, self.parent, self.saved_step = chosen, chosen.name, self.step
             if self.rank == 0:
-                try:
-                    snapshot.check_sizes(path, snapshot.read_manifest(path))
-                except Exception as exc:  # noqa: BLE001 - any failure here is fatal for the attempt
-                    problem = str(exc)
-            problem = collectives.broadcast_object(problem)
-            if problem:
-                self._refuse(f"snapshot {path} named for this attempt does not load: {problem}", EXIT_FAILED, fatal=False)
-            return path
+                records.log_event(self.run_dir, "restored", attempt=self.env.attempt, snapshot=str(chosen),
+                                  step=self.step, seconds=time.monotonic() - started,
+                                  verified_by="supervisor" if self.env.resume_from else "runtime")
+            return self.step
+
+    def _restore_failed(self, path: Path, reason: str) -> None:
+        if self.rank == 0:
+            records.log_event(self.run_dir, "restore_failed", attempt=self.env.attempt, snapshot=str(path), reason=reason)
+            print(f"ckptrun: snapshot {path.name} does not load: {reason}", file=sys.stderr, flush=True)
+        if self.env.resume_from is not None:
+            self._refuse(f"snapshot {path} named for this attempt does not load: {reason}", EXIT_FAILED, fatal=False)
+
+    def _choose_snapshot(self, skipped: set[str]) -> Path | None:
+        if self.env.resume_from is not None:
+            return self.env.resume_from
         if self.env.supervised:
             return None
         choice = None
         if self.rank == 0:
-            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), skip=skipped)
             choice = str(report.path) if report else None
         choice = collectives.broadcast_object(choice)
         return Path(choice) if choice else None

@@ -17,6 +17,7 @@ the restricted DCP reader, ``torch.load(weights_only=True)`` and JSON.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,7 @@ def save(
     gathered = collectives.all_gather_object((entries, error))
     errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
     if errors:
+        errors.append(_free_space(ckpt_dir))
         if rank == 0:
             store.clean_temp_dirs(ckpt_dir)
         collectives.barrier()
@@ -171,6 +173,14 @@ def _persist(temp_dir: Path, state: State, shared: dict, own: dict, rank: int, a
     except OSError as exc:
         error = f"writing {exc.filename or 'snapshot file'} failed: {exc.strerror or exc}"
     return entries, error
+
+
+def _free_space(ckpt_dir: Path) -> str:
+    """Disk-full errors often surface as obscure serialiser errors; say how much room there is."""
+    try:
+        return f"{shutil.disk_usage(ckpt_dir).free / 2**20:.0f} MiB free in {ckpt_dir}"
+    except OSError:
+        return f"{ckpt_dir} is not accessible"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -253,17 +263,37 @@ def check_sizes(snapshot_dir: Path, manifest: Manifest) -> None:
             raise LoadError(f"{snapshot_dir.name}/{entry.path} is {size} bytes, manifest says {entry.size}")
 
 
-def load(snapshot_dir: Path, shared_keys: list[str] | None = None) -> Loaded:
+def load(snapshot_dir: Path) -> Loaded:
     """Collectively load a snapshot whose bytes were verified; every rank reads its own files.
 
-    ``shared_keys`` limits the DCP tensors loaded (default: every one the state tree refers to).
+    Raises :class:`LoadError` on every rank when any rank cannot load its part,
+    so the ranks agree on falling back instead of deadlocking.
     """
+    local: Loaded | None = None
+    problem = None
+    try:
+        local = _read_local(snapshot_dir, collectives.rank())
+    except Exception as exc:  # noqa: BLE001 - any local failure must reach the agreement below
+        problem = f"rank {collectives.rank()}: {type(exc).__name__}: {exc}"
+    problems = [p for p in collectives.all_gather_object(problem) if p]
+    if problems or local is None:
+        raise LoadError(problems[0] if problems else "nothing loaded")
+    if local.shared_tensors:
+        try:
+            dcp.load(local.shared_tensors, storage_reader=SafeReader(snapshot_dir / DCP_DIR))
+        except BaseException as exc:  # CheckpointException is a BaseException, raised on every rank
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise LoadError(f"DCP load failed: {_first_line(exc)}") from None
+    return local
+
+
+def _read_local(snapshot_dir: Path, rank: int) -> Loaded:
+    """This rank's small files and the DCP metadata, read through loaders that run no code."""
     from ckptrun.runtime.treecodec import tensor_keys
 
-    rank = collectives.rank()
     manifest = read_manifest(snapshot_dir)
-    if manifest.world_size != collectives.world_size():
-        raise LoadError(f"snapshot was written by {manifest.world_size} ranks, this run has {collectives.world_size()}")
+    check_sizes(snapshot_dir, manifest)
     listed = {entry.path for entry in manifest.files}
     for needed in (STATE_JSON, rank_json(rank), rank_tensors(rank), f"{DCP_DIR}/.metadata"):
         if needed not in listed:
@@ -274,8 +304,5 @@ def load(snapshot_dir: Path, shared_keys: list[str] | None = None) -> Loaded:
     if not isinstance(own, dict) or not all(isinstance(v, torch.Tensor) for v in own.values()):
         raise LoadError(f"{rank_tensors(rank)} does not hold a dict of tensors")
     metadata = load_metadata(snapshot_dir / DCP_DIR)
-    keys = shared_keys if shared_keys is not None else tensor_keys(shared_tree)
-    shared = allocate_from_metadata(metadata, keys)
-    if shared:
-        dcp.load(shared, storage_reader=SafeReader(snapshot_dir / DCP_DIR))
+    shared = allocate_from_metadata(metadata, tensor_keys(shared_tree))
     return Loaded(manifest, shared_tree, shared, rank_tree, own)

@@ -182,10 +182,15 @@ def bytes_to_verify(ckpt_dir: Path) -> int:
     return total
 
 
-def newest_verified(ckpt_dir: Path, log: Callable[[str], None] = lambda _: None) -> SnapshotReport | None:
-    """The newest snapshot of the current lineage that verifies, saying why newer ones were skipped."""
+def newest_verified(
+    ckpt_dir: Path, log: Callable[[str], None] = lambda _: None, skip: set[str] | frozenset[str] = frozenset()
+) -> SnapshotReport | None:
+    """The newest snapshot of the current lineage that verifies, saying why newer ones were skipped.
+
+    ``skip`` names snapshots already known not to load (they verified but were refused at load).
+    """
     lineage = read_lineage(ckpt_dir)
-    candidates = [e for e in list_entries(ckpt_dir, include_abandoned=False) if e.kind == "published"]
+    candidates = [e for e in list_entries(ckpt_dir, include_abandoned=False) if e.kind == "published" and e.name not in skip]
     with ThreadPoolExecutor(default_threads()) as pool:
         for entry in sorted(candidates, key=lambda e: e.step, reverse=True):
             started = time.monotonic()

@@ -1,0 +1,97 @@
+"""Invariant 3 (exact): a run killed at any step and resumed equals the uninterrupted run bitwise.
+
+Real torchrun, 2 ranks, gloo on CPU, the default template (dropout, shuffling,
+two loader workers, AdamW, cosine schedule, EMA). The runtime picks and
+verifies the snapshot itself here (plain torchrun, no supervisor).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptrun.runtime.records import losses_by_attempt, read_events
+from workers import run_job, shared_tensors
+
+STEPS = 30
+FINAL = f"checkpoints/step-{STEPS:09d}"
+
+
+def job_args(accumulate: int) -> tuple[str, ...]:
+    return ("--steps", str(STEPS), "--accumulate", str(accumulate))
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Uninterrupted 2-rank runs, one per accumulation setting, shared by every test."""
+    cache: dict[int, Path] = {}
+
+    def get(accumulate: int) -> Path:
+        if accumulate not in cache:
+            run_dir = tmp_path_factory.mktemp("reference") / f"acc{accumulate}"
+            result = run_job(run_dir, nproc=2, args=job_args(accumulate), save_every_steps=5)
+            assert result.returncode == 0, result.stderr[-3000:]
+            cache[accumulate] = run_dir
+        return cache[accumulate]
+
+    return get
+
+
+CASES = [
+    # name, accumulate, fault, snapshot step resumed from
+    ("mid-epoch", 1, "kill:rank=1:step=13", 10),
+    ("right-after-save", 1, "kill:rank=0:step=10", 10),
+    ("inside-accumulation-window", 2, "kill:rank=1:step=13:micro=1", 10),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name,accumulate,fault,resumed", CASES, ids=[c[0] for c in CASES])
+def test_killed_and_resumed_run_is_bitwise_identical(reference, tmp_path, name, accumulate, fault, resumed):
+    ref = reference(accumulate)
+    run_dir = tmp_path / name
+    killed = run_job(run_dir, nproc=2, args=job_args(accumulate), save_every_steps=5, fault=fault)
+    assert killed.returncode != 0, "the injected kill did not fire"
+    resumed_run = run_job(run_dir, nproc=2, args=job_args(accumulate), save_every_steps=5, attempt=2)
+    assert resumed_run.returncode == 0, resumed_run.stderr[-3000:]
+
+    assert [e["step"] for e in read_events(run_dir, "restored")] == [resumed]
+    expected = losses_by_attempt(ref)[1]
+    attempts = losses_by_attempt(run_dir)
+    assert sorted(attempts[2]) == list(range(resumed + 1, STEPS + 1))
+    for attempt, losses in attempts.items():
+        mismatched = {step: (loss, expected[step]) for step, loss in losses.items() if loss != expected[step]}
+        assert not mismatched, f"attempt {attempt} differs from the uninterrupted run: {mismatched}"
+    replayed = set(attempts[1]) & set(attempts[2])
+    assert all(attempts[1][s] == attempts[2][s] for s in replayed)
+
+    assert_same_snapshot_state(ref / FINAL, run_dir / FINAL)
+
+
+def assert_same_snapshot_state(a: Path, b: Path) -> None:
+    """Parameters, optimizer, EMA, scheduler, data position and every rank's RNG, bitwise."""
+    tensors_a, tensors_b = shared_tensors(a), shared_tensors(b)
+    assert tensors_a.keys() == tensors_b.keys()
+    assert any(key.startswith("optimizer.state.") for key in tensors_a)
+    different = [key for key in tensors_a if not torch.equal(tensors_a[key], tensors_b[key])]
+    assert not different, f"tensors differ: {different[:5]}"
+    assert json.loads((a / "state.json").read_text()) == json.loads((b / "state.json").read_text())
+    for rank in (0, 1):
+        assert (a / f"rank-{rank:05d}.json").read_text() == (b / f"rank-{rank:05d}.json").read_text()
+        rng_a = torch.load(a / f"rank-{rank:05d}.pt", weights_only=True)
+        rng_b = torch.load(b / f"rank-{rank:05d}.pt", weights_only=True)
+        assert all(torch.equal(rng_a[k], rng_b[k]) for k in rng_a)
+
+
+@pytest.mark.timeout(120)
+def test_changed_world_size_is_refused(reference, tmp_path):
+    run_dir = tmp_path / "one-rank"
+    import shutil
+
+    shutil.copytree(reference(1) / "checkpoints", run_dir / "checkpoints")
+    result = run_job(run_dir, nproc=1, args=job_args(1) + ("--num-workers", "0"), attempt=2)
+    assert result.returncode == 4
+    assert "written by 2 ranks but this run has 1" in result.stderr

@@ -1,0 +1,85 @@
+"""Start real worker processes (plain python or torchrun) for runtime tests, and never leak them.
+
+Every process starts in its own session and carries CKPTRUN_RUN_ID, so a test
+can find and kill what it started even when a rank was orphaned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+import torch.distributed.checkpoint as dcp
+from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, load_metadata
+from ckptrun.runtime.env import RunEnv
+
+TEMPLATE = "ckptrun.templates.default_job"
+QUIET = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def processes_of_run(run_id: str) -> list[psutil.Process]:
+    """Live processes whose environment carries this run id."""
+    found = []
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if process.pid != os.getpid() and process.environ().get("CKPTRUN_RUN_ID") == run_id:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_run(run_id: str) -> None:
+    for process in processes_of_run(run_id):
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def run_job(run_dir: Path, nproc: int = 1, args: tuple[str, ...] = (), timeout: float = 120,
+            module: str = TEMPLATE, script: Path | None = None, **env_fields: object) -> Result:
+    """Run a worker script under plain python (nproc=1) or torchrun, with C1 fields from ``env_fields``."""
+    fields = {"run_id": run_dir.name, "run_dir": run_dir, "threads": 1, **env_fields}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
+    env.update(QUIET)
+    env.update(RunEnv(**fields).to_env())
+    target = [str(script)] if script else ["-m", module]
+    if nproc == 1:
+        command = [sys.executable, *target, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "--max-restarts=0", *target, *args]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        kill_run(str(fields["run_id"]))
+        out, err = process.communicate()
+        raise AssertionError(f"worker timed out after {timeout}s:\n{err[-3000:]}") from None
+    finally:
+        kill_run(str(fields["run_id"]))
+    return Result(process.returncode, out, err)
+
+
+def shared_tensors(snapshot_dir: Path) -> dict:
+    """Every DCP tensor of a snapshot, loaded in this (single) process through the safe reader."""
+    metadata = load_metadata(snapshot_dir / "dcp")
+    tensors = allocate_from_metadata(metadata, list(metadata.state_dict_metadata))
+    dcp.load(tensors, storage_reader=SafeReader(snapshot_dir / "dcp"), no_dist=True)
+    return tensors
