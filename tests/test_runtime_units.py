@@ -1,0 +1,97 @@
+"""Fast in-process tests of the runtime's pure pieces: codec, policies, RNG, sampler, safe unpickling."""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ckptrun.runtime import rng
+from ckptrun.runtime.data import ResumableSampler
+from ckptrun.runtime.dcp_io import RestrictedUnpickler, UnsafeMetadataError
+from ckptrun.runtime.policies import FailedSaves, Retention, SaveCadence
+from ckptrun.runtime.treecodec import join, split, tensor_keys
+
+
+def test_optimizer_state_round_trips_through_json_and_tensors():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+    tree, tensors = split(state, "optimizer")
+    import json
+
+    tree = json.loads(json.dumps(tree))
+    assert sorted(tensor_keys(tree)) == sorted(tensors)
+    back = join(tree, tensors)
+    assert back["param_groups"] == state["param_groups"]
+    assert set(back["state"]) == {0, 1}, "int keys survive"
+    assert torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+
+
+def test_codec_keeps_tuples_floats_and_refuses_objects():
+    tree, _ = split({"t": (1, 2.5), "nan": float("nan"), "f": 0.1 + 0.2}, "x")
+    import json
+
+    back = join(json.loads(json.dumps(tree)), {})
+    assert back["t"] == (1, 2.5) and math.isnan(back["nan"]) and back["f"] == 0.1 + 0.2
+    with pytest.raises(TypeError, match="cannot store object"):
+        split({"bad": object()}, "x")
+
+
+@pytest.mark.parametrize(
+    "keep_last,keep_every,steps,deleted",
+    [
+        (3, None, [5, 10, 15, 20], [5]),
+        (2, 10, [5, 10, 15, 20, 25], [5, 15]),
+        (1, None, [5], []),
+        (3, None, [10, 20], []),
+        (0, None, [10, 20], [10]),  # never the newest, even with keep_last 0
+    ],
+)
+def test_retention_table(keep_last, keep_every, steps, deleted):
+    assert Retention(keep_last, keep_every).to_delete(steps) == deleted
+
+
+def test_cadence_and_failed_save_budget():
+    cadence = SaveCadence(every_steps=5, every_seconds=60)
+    assert [s for s in range(0, 16) if cadence.step_due(s)] == [5, 10, 15]
+    assert cadence.time_due(now=100.0, last_save=40.0) and not cadence.time_due(now=99.0, last_save=40.0)
+    budget = FailedSaves(limit=3)
+    assert [budget.record(ok) for ok in (False, False, True, False, False, False)] == [False, False, False, False, False, True]
+
+
+def test_rng_capture_restore_replays_every_generator():
+    rng.seed_everything(7)
+    state, tensors = rng.capture()
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    rng.seed_everything(99)
+    rng.restore(state, tensors)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+def test_sampler_partitions_the_epoch_and_resumes_mid_epoch():
+    samplers = [ResumableSampler(10, rank, 2, shuffle=True, seed=3) for rank in (0, 1)]
+    orders = [s.order() for s in samplers]
+    assert sorted(orders[0] + orders[1]) == list(range(10))
+    samplers[0].start = 2
+    assert list(samplers[0]) == orders[0][2:]
+    samplers[0].epoch = 1
+    assert samplers[0].order() != orders[0], "reshuffled per epoch"
+
+
+class Boom:
+    def __reduce__(self):
+        return (print, ("ran",))
+
+
+def test_restricted_unpickler_refuses_code():
+    with pytest.raises(UnsafeMetadataError, match="builtins.print"):
+        RestrictedUnpickler(io.BytesIO(pickle.dumps(Boom()))).load()
+    assert RestrictedUnpickler(io.BytesIO(pickle.dumps(torch.Size([2, 3])))).load() == torch.Size([2, 3])
