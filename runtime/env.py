@@ -49,7 +49,15 @@ class RunEnv(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch.set_num_threads in each worker (default: torch's).")
     hash_algorithm: HashAlgorithm = Field("sha256", description="Digest recorded for every snapshot file.")
     allow_changes: tuple[str, ...] = Field((), description="Config keys that may differ from the snapshot's on resume.")
+    on_anomaly: Literal["warn", "stop", "rollback"] = Field("warn", description="What a loss anomaly triggers.")
+    anomaly_window: int = Field(50, ge=2, description="Steps of loss history an anomaly is judged against.")
+    anomaly_sigma: float = Field(6.0, gt=0, description="A spike is a loss above mean + sigma * std of the window.")
+    rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks allowed before an anomaly stops the run (exit 4).")
+    loss_scale_init: float = Field(2.0**16, gt=0, description="fp16 GradScaler initial scale.")
+    loss_scale_growth_interval: int = Field(2000, ge=1, description="fp16 GradScaler growth interval (steps).")
     fault: str | None = Field(None, description="Fault injection spec for tests (see runtime.faults).")
+    exit_after_restore: bool = Field(False, description="Probe mode (estimate-rto --probe): log the restore timings, exit 0.")
 
     @field_validator("allow_changes", mode="before")
     @classmethod

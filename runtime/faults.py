@@ -7,6 +7,8 @@ Grammar, several specs joined by ``;``::
     hang:rank=R:step=S                stop making progress (alive, silent) after step S
     exit:rank=R:step=S:code=C         exit with code C after step S
     kill-during-save:rank=R[:phase=P][:step=S]   SIGKILL while saving; P in PHASES
+    nan:step=S                        test only: the step after S reports a NaN loss (anomaly policy)
+    inf-grad:rank=R:step=S            test only: inf in this rank's gradient in the step after S (fp16)
     enospc[:rank=R][:step=S]          test only: this rank's snapshot writes fail with ENOSPC from step S on
     skip-rng-restore                  test only: restore everything except the RNG states
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "kill-during-save", "enospc", "skip-rng-restore")
+KINDS = ("kill", "hang", "exit", "kill-during-save", "nan", "inf-grad", "enospc", "skip-rng-restore")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish")
 
 
@@ -68,6 +70,6 @@ def _parse_one(text: str) -> Fault:
                 raise FaultSpecError(f"fault {text!r}: {key} must be an integer, got {value!r}") from None
         else:
             raise FaultSpecError(f"fault {text!r}: unknown key {key!r}")
-    if kind in ("kill", "hang", "exit") and "step" not in fields:
+    if kind in ("kill", "hang", "exit", "nan", "inf-grad") and "step" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs step=S")
     return Fault(**fields)  # type: ignore[arg-type]

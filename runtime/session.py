@@ -11,7 +11,6 @@ never disagree and the cost is one collective of four numbers per step.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import sys
@@ -22,11 +21,15 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ckptrun.runtime import collectives, records, rng, snapshot, store
+from ckptrun.runtime import collectives, records, rng, snapshot, stepper, store
+from ckptrun.runtime.anomaly import AnomalyDetector
 from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.faults import Fault, parse_faults
+from ckptrun.runtime.fault_injection import FaultInjector
+from ckptrun.runtime.faults import parse_faults
 from ckptrun.runtime.liveness import Heartbeater, enable_stack_dumps, watch_supervisor
 from ckptrun.runtime.policies import FailedSaves, Retention, SaveCadence
+from ckptrun.runtime.precision import Policy, PrecisionUnavailable, ScalerConfig, resolve
+from ckptrun.runtime.precision_report import REPORT, DtypeRecorder, write_report
 from ckptrun.runtime.treecodec import join, split
 from ckptrun.runtime.verify import newest_verified, verify_snapshot
 
@@ -41,6 +44,12 @@ def _change_allowed(key: str, allowed: Sequence[str]) -> bool:
             or key.endswith(ALLOWED_SUFFIXES))
 
 
+def _process_start_time() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def _code_version() -> str:
     try:
         return hashlib.sha256(Path(sys.argv[0]).read_bytes()).hexdigest()[:16]
@@ -53,50 +62,16 @@ def _unwrap(obj: Any) -> Any:
     return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
 
 
-class FaultInjector:
-    """Fires the test faults of C1 at the points the spec names (see runtime.faults)."""
-
-    def __init__(self, faults: list[Fault], rank: int, attempt: int) -> None:
-        self.faults = [f for f in faults if f.applies(rank, attempt)]
-
-    def has(self, kind: str) -> bool:
-        return any(f.kind == kind for f in self.faults)
-
-    def after_step(self, step: int) -> None:
-        for fault in self.faults:
-            if fault.step == step and fault.micro is None:
-                self._fire(fault)
-
-    def inside_step(self, done_step: int, micro: int) -> None:
-        for fault in self.faults:
-            if fault.step == done_step and fault.micro == micro:
-                self._fire(fault)
-
-    def during_save(self, step: int, phase: str) -> None:
-        for fault in self.faults:
-            if fault.kind == "enospc" and phase == "persist" and step >= (fault.step or 0):
-                raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            if fault.kind == "kill-during-save" and fault.phase == phase and fault.step in (None, step):
-                self._fire(fault)
-
-    def _fire(self, fault: Fault) -> None:
-        sys.stdout.flush()
-        sys.stderr.write(f"ckptrun: injected fault {fault.kind} at step {fault.step}\n")
-        sys.stderr.flush()
-        if fault.kind in ("kill", "kill-during-save"):
-            os.kill(os.getpid(), 9)
-        elif fault.kind == "exit":
-            os._exit(fault.code)
-        elif fault.kind == "hang":
-            while True:
-                time.sleep(3600)
-
-
 class Run:
     """State, counters and policy of one training process. Create it with :func:`init`."""
 
-    def __init__(self, env: RunEnv, config: dict[str, Any]) -> None:
+    def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
         self.env = env
+        self.precision = precision
+        self.scaler = precision.make_scaler()
+        self.anomalies = AnomalyDetector(env.anomaly_window, env.anomaly_sigma)
+        self.rollbacks = 0
+        self._precision_reported = False
         self.config = dict(config)
         self.rank, self.world_size = collectives.rank(), collectives.world_size()
         self.run_dir = env.run_dir
@@ -122,9 +97,13 @@ class Run:
 
     def track(self, **objects: Any) -> None:
         """Register everything that must survive a restart (each needs state_dict/load_state_dict)."""
+        if self.scaler is not None and "scaler" not in objects and "scaler" not in self.objects:
+            objects = {**objects, "scaler": self.scaler}
         for name, obj in objects.items():
             if obj is None:
                 continue
+            if name == "scaler":
+                self.scaler = obj
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 hint = " (use ckptrun.runtime.DataLoader for a resumable data position)" if isinstance(obj, torch.utils.data.DataLoader) else ""
                 raise TypeError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict{hint}")
@@ -143,6 +122,8 @@ class Run:
         while True:
             chosen = self._choose_snapshot(skipped)
             if chosen is None:
+                if self.env.exit_after_restore:
+                    self._refuse(f"probe: no verified snapshot in {self.ckpt_dir} to restore", 2, fatal=False)
                 if skipped:
                     self._refuse(f"no snapshot in {self.ckpt_dir} loads (tried {', '.join(sorted(skipped))}); "
                                  f"inspect them with `ckptrun verify {self.ckpt_dir}`")
@@ -158,9 +139,13 @@ class Run:
             self._apply(loaded)
             self.restored_from, self.parent, self.saved_step = chosen, chosen.name, self.step
             if self.rank == 0:
-                records.log_event(self.run_dir, "restored", attempt=self.env.attempt, snapshot=str(chosen),
-                                  step=self.step, seconds=time.monotonic() - started,
+                records.log_event(self.run_dir, "probe_restored" if self.env.exit_after_restore else "restored",
+                                  attempt=self.env.attempt, snapshot=str(chosen), step=self.step,
+                                  seconds=time.monotonic() - started, bytes=loaded.manifest.total_bytes,
+                                  since_process_start=time.time() - _process_start_time(),
                                   verified_by="supervisor" if self.env.resume_from else "runtime")
+            if self.env.exit_after_restore:
+                self._exit_quietly(0)
             return self.step
 
     def _restore_failed(self, path: Path, reason: str) -> None:
@@ -203,6 +188,7 @@ class Run:
                 self._refuse(f"snapshot has no state for {name!r} (tracked now, not when it was saved)")
             _unwrap(obj).load_state_dict(join(tree["objects"][name], loaded.shared_tensors))
         self.step = tree["counters"]["step"]
+        self.rollbacks = tree["counters"].get("rollbacks", 0)
         if not self.faults.has("skip-rng-restore"):
             rng.restore(loaded.rank_tree["rng"], loaded.rank_tensors)
         self.lineage = store.read_lineage(self.ckpt_dir).current if store.read_lineage(self.ckpt_dir) else loaded.manifest.lineage
@@ -235,46 +221,66 @@ class Run:
             self.heart.beat(self.step, "train")
             yield group[0] if accumulate == 1 else group
 
-    def train_step(self, micro_batches: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor], max_norm: float | None = None) -> float:
-        """One optimizer step over ``micro_batches`` (accumulated, DDP-synchronised on the last only)."""
+    def train_step(self, micro_batches: Sequence[Any], forward: Callable[[Any], Any],
+                   loss: Callable[[Any, Any], torch.Tensor] | None = None, max_norm: float | None = None) -> float:
+        """One optimizer step over ``micro_batches`` under the precision policy; returns the mean loss.
+
+        ``forward(batch)`` runs under autocast; ``loss(outputs, batch)``, if given, runs
+        outside it on fp32 outputs (else ``forward`` returns the loss itself).
+        Accumulation divides by the micro-batch count and lets DDP synchronise the
+        last one only; a skipped fp16 step advances neither scheduler, EMA nor step.
+        """
         model, optimizer = self.objects["model"], self.objects["optimizer"]
-        scheduler, scaler = self.objects.get("scheduler"), self.objects.get("scaler")
-        count, total = len(micro_batches), 0.0
-        for index, batch in enumerate(micro_batches):
-            self.faults.inside_step(self.step, index)
-            syncing = index == count - 1 or not hasattr(model, "no_sync")
-            with contextlib.nullcontext() if syncing else model.no_sync():
-                loss = loss_fn(batch)
-                scaled = loss / count
-                (scaler.scale(scaled) if scaler else scaled).backward()
-            total += float(loss.detach())
-        grad_norm = None
-        if scaler:
-            scaler.unscale_(optimizer)
-        if max_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        recorder = self._precision_recorder()
+        with recorder if recorder is not None else contextlib.nullcontext():
+            value = stepper.accumulate(model, micro_batches, forward, loss, self.precision, self.scaler,
+                                       before_micro=lambda index: self.faults.inside_step(self.step, index))
+            self.faults.after_backward(self.step, model)
+            if recorder is not None:
+                recorder.phase = "optimizer"
+                recorder.note_gradients([p for g in optimizer.param_groups for p in g["params"]])
+            stats = stepper.optimizer_step(model, optimizer, self.scaler, max_norm)
+        if recorder is not None:
+            write_report(self.run_dir, self.precision.decision, recorder, list(model.parameters()), optimizer)
+        if not stats.skipped:
+            self._advance_schedules(model)
+        optimizer.zero_grad(set_to_none=True)
+        count = len(micro_batches) * getattr(self.objects.get("loader"), "global_batch", 0)
+        return self.end_step(value, samples=count, **stats.metrics())
+
+    def _precision_recorder(self) -> DtypeRecorder | None:
+        """Rank 0 records op dtypes during its first step of a run (precision.json)."""
+        if self.rank != 0 or self._precision_reported:
+            return None
+        self._precision_reported = True
+        return None if (self.run_dir / REPORT).exists() else DtypeRecorder()
+
+    def _advance_schedules(self, model: Any) -> None:
+        scheduler, ema = self.objects.get("scheduler"), self.objects.get("ema")
         if scheduler is not None:
             scheduler.step()
-        ema = self.objects.get("ema")
         if ema is not None and hasattr(ema, "update_parameters"):
-            ema.update_parameters(getattr(model, "module", model))
-        optimizer.zero_grad(set_to_none=True)
-        return self.end_step(total / count, grad_norm=grad_norm)
+            ema.update_parameters(_unwrap(model))
 
-    def end_step(self, loss: float | torch.Tensor, **metrics: Any) -> float:
-        """Close an optimizer step: share decisions, log, save on cadence, obey stop requests."""
-        self.step += 1
+    def end_step(self, loss: float | torch.Tensor, skipped: bool = False, samples: int = 0, **metrics: Any) -> float:
+        """Close an optimizer step: share decisions, log, check anomalies, save on cadence, obey stop requests.
+
+        A skipped step (fp16 overflow) is logged but does not advance the step counter.
+        """
         local = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if self.faults.nan_loss(self.step):
+            local = float("nan")
         wants_stop = float(self._stop_requested())
         wants_save = float(self.rank == 0 and self.cadence.time_due(time.monotonic(), self.last_save_time))
         loss_sum, stops, saves = collectives.all_reduce_sum([local, wants_stop, wants_save])
         mean_loss = loss_sum / self.world_size
-        self._log_step(mean_loss, metrics)
+        self._log_step(self.step + 1, mean_loss, dict(metrics, skipped=skipped), samples)
+        if skipped:
+            return mean_loss
+        anomaly = self.anomalies.check(mean_loss)
+        if anomaly is not None and self._on_anomaly(anomaly):
+            return mean_loss
+        self.step += 1
         self.heart.beat(self.step, "train")
         if stops > 0:
             self._stop()
@@ -283,12 +289,15 @@ class Run:
         self.faults.after_step(self.step)
         return mean_loss
 
-    def _log_step(self, loss: float, metrics: dict[str, Any]) -> None:
+    def _log_step(self, step: int, loss: float, metrics: dict[str, Any], samples: int) -> None:
         now = time.monotonic()
         elapsed, self.last_step_time = now - self.last_step_time, now
         if self.rank != 0:
             return
-        record = {"step": self.step, "attempt": self.env.attempt, "loss": loss, "time": time.time(), "step_time_s": elapsed}
+        record = {"step": step, "attempt": self.env.attempt, "loss": loss, "time": time.time(), "step_time_s": elapsed,
+                  "precision": self.precision.mode}
+        if samples and elapsed > 0:
+            record["samples_per_s"] = samples / elapsed
         optimizer = self.objects.get("optimizer")
         if optimizer is not None:
             record["lr"] = optimizer.param_groups[0]["lr"]
@@ -298,6 +307,60 @@ class Run:
             record["samples_seen"] = loader.samples_seen
         record.update({k: v for k, v in metrics.items() if v is not None})
         records.log_metrics(self.run_dir, record)
+
+    # --- anomalies ----------------------------------------------------------------
+
+    def _on_anomaly(self, reason: str) -> bool:
+        """Apply --on-anomaly; True when the step was rolled back (the counter must not advance)."""
+        policy = self.env.on_anomaly
+        if self.rank == 0:
+            records.log_event(self.run_dir, "anomaly", step=self.step + 1, reason=reason, policy=policy)
+            print(f"ckptrun: anomaly at step {self.step + 1}: {reason} (policy: {policy})", file=sys.stderr, flush=True)
+        if policy == "stop":
+            self._refuse(f"anomaly at step {self.step + 1}: {reason}; stopped without saving the suspect state "
+                         "(use --on-anomaly rollback to recover automatically)")
+        if policy == "rollback":
+            self._rollback(reason)
+            return True
+        return False
+
+    def _rollback(self, reason: str) -> None:
+        """Restore the previous verified snapshot in-process, fork the lineage, lower the LR, skip the data window."""
+        if self.rollbacks >= self.env.max_rollbacks:
+            self._refuse(f"anomaly after {self.rollbacks} rollbacks ({reason}); lower the learning rate or inspect the data")
+        choice = None
+        if self.rank == 0:
+            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+            choice = str(report.path) if report else None
+        choice = collectives.broadcast_object(choice)
+        if choice is None:
+            self._refuse(f"anomaly ({reason}) and no verified snapshot to roll back to")
+        loader = self.objects.get("loader")
+        position = loader.state_dict() if loader is not None else None  # skip the window that caused it
+        from_step, path = self.step, Path(choice)
+        self._apply(snapshot.load(path))
+        if loader is not None:
+            loader.load_state_dict(position)
+        if self.rank == 0:
+            store.fork(self.ckpt_dir, path)
+        collectives.barrier()
+        self.lineage, self.parent, self.saved_step = store.read_lineage(self.ckpt_dir).current, path.name, self.step
+        self.rollbacks += 1
+        factor = self.env.rollback_lr_factor
+        self._scale_lr(factor)
+        self.anomalies.history.clear()
+        if self.rank == 0:
+            records.log_event(self.run_dir, "rollback", from_step=from_step + 1, to_step=self.step, snapshot=str(path),
+                              lr_factor=factor, rollbacks=self.rollbacks, reason=reason)
+
+    def _scale_lr(self, factor: float) -> None:
+        optimizer, scheduler = self.objects.get("optimizer"), self.objects.get("scheduler")
+        for group in optimizer.param_groups if optimizer is not None else []:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+        if scheduler is not None and hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
 
     # --- saving -----------------------------------------------------------------
 
@@ -331,7 +394,7 @@ class Run:
             trees[name], own = split(state, name)
             tensors.update(own)
         rng_tree, rng_tensors = rng.capture()
-        shared_tree = {"objects": trees, "counters": {"step": self.step}, "config": self.config}
+        shared_tree = {"objects": trees, "counters": {"step": self.step, "rollbacks": self.rollbacks}, "config": self.config}
         return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors)
 
     def _info(self) -> snapshot.SnapshotInfo:
@@ -339,7 +402,7 @@ class Run:
         return snapshot.SnapshotInfo(
             run_id=self.env.run_id, lineage=self.lineage, parent=self.parent, step=self.step,
             epoch=getattr(loader, "epoch", 0), samples_seen=getattr(loader, "samples_seen", 0),
-            precision="fp32", config=self.config, code_version=self.code_version,
+            precision=self.precision.mode, config=self.config, code_version=self.code_version,
         )
 
     def _apply_retention(self) -> None:
@@ -378,10 +441,14 @@ class Run:
         if self.rank == 0:
             records.log_event(self.run_dir, "stopped", step=self.step, attempt=self.env.attempt)
         self.heart.beat(self.step, "done")
+        self._exit_quietly(EXIT_STOPPED)
+
+    def _exit_quietly(self, code: int) -> None:
+        """Leave after the ranks agree, without running the rest of the user's script."""
         collectives.barrier()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_STOPPED)
+        os._exit(code)
 
     def finish(self) -> None:
         """End of training: a final snapshot (unless this step is saved), completion event, leave the group."""
@@ -395,16 +462,31 @@ class Run:
             dist.destroy_process_group()
 
 
-def init(config: dict[str, Any] | None = None) -> Run:
-    """Start this worker under ckptrun's policy (C1), or with defaults under plain torchrun/python."""
+def init(config: dict[str, Any] | None = None, precision: str | None = None) -> Run:
+    """Start this worker under ckptrun's policy (C1), or with defaults under plain torchrun/python.
+
+    ``precision`` is what the script asks for; when the launcher set one too and
+    they differ, the worker stops with an error naming both (one source of truth).
+    """
     env = RunEnv.from_env()
     if "run_dir" not in env.model_fields_set:
         env = env.model_copy(update={"run_dir": Path("runs") / Path(sys.argv[0]).stem})
+    if precision is not None:
+        if "precision" in env.model_fields_set and env.precision != precision:
+            _refuse_early(env, f"the script asks for precision {precision!r} but the run was launched with "
+                               f"{env.precision!r}; drop one of them", 2)
+        env = env.model_copy(update={"precision": precision})
     if "RANK" in os.environ and not collectives.active():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
+    try:
+        decision = resolve(env.precision)
+    except PrecisionUnavailable as exc:
+        _refuse_early(env, f"precision {env.precision} cannot run here: {exc}", 2)
+    policy = Policy(decision, ScalerConfig(init_scale=env.loss_scale_init, growth_interval=env.loss_scale_growth_interval))
+    policy.apply_matmul_flags()
     if env.threads:
         torch.set_num_threads(env.threads)
     if env.deterministic:
@@ -414,10 +496,23 @@ def init(config: dict[str, Any] | None = None) -> Run:
     env.run_dir.mkdir(parents=True, exist_ok=True)
     enable_stack_dumps()
     watch_supervisor(env.supervisor_pid, env.supervisor_start_time)
-    run = Run(env, config or {})
+    run = Run(env, config or {}, policy)
     run.heart.beat(0, "init")
     if run.rank == 0:
         run.lineage = store.ensure_lineage(run.ckpt_dir, env.run_id).current
         store.clean_temp_dirs(run.ckpt_dir)
+        if env.attempt == 1:
+            records.log_event(run.run_dir, "precision", requested=decision.requested, mode=decision.mode,
+                              reason=decision.reason, device=decision.device)
+            print(f"ckptrun: precision {decision.mode} ({decision.reason})", file=sys.stderr, flush=True)
     run.lineage = collectives.broadcast_object(run.lineage)
     return run
+
+
+def _refuse_early(env: RunEnv, message: str, code: int) -> None:
+    """Refuse before a Run exists: fatal record (rank 0), one line, exit ``code``; a restart cannot help."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        env.run_dir.mkdir(parents=True, exist_ok=True)
+        records.write_fatal(env.run_dir, 0, message, code)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)

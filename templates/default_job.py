@@ -74,8 +74,8 @@ run.restore()  # from the snapshot this attempt resumes from, if any
 # ----------------------------------------------------------------------------- train
 for micro_batches in run.batches(loader, steps=args.steps, accumulate=args.accumulate):
     micro_batches = micro_batches if args.accumulate > 1 else [micro_batches]
-    loss = run.train_step(micro_batches, lambda batch: F.cross_entropy(model(batch[0]), batch[1]),
-                          max_norm=args.max_norm or None)
+    loss = run.train_step(micro_batches, forward=lambda batch: model(batch[0]),
+                          loss=lambda logits, batch: F.cross_entropy(logits, batch[1]), max_norm=args.max_norm or None)
     if run.rank == 0 and run.step % 10 == 0:
         print(f"step {run.step:5d}  loss {loss:.4f}", flush=True)
 

@@ -1,0 +1,97 @@
+"""One optimizer step under the precision policy: accumulate, unscale, clip, step, update.
+
+The order is the one mixed-precision training needs: scaled backward per
+micro-batch (DDP synchronises only the last), unscale once, clip on the
+pre-clip global norm, optimizer step through the scaler, scaler update.
+A skipped fp16 step is agreed by all ranks: the non-finite flag is all-reduced
+because one rank's gradients may hold an inf the others do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ckptrun.runtime import collectives
+from ckptrun.runtime.precision import Policy, to_float
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float | None
+    clipped: bool
+    loss_scale: float | None
+    skipped: bool
+    zero_grad_fraction: float
+
+    def metrics(self) -> dict[str, Any]:
+        out = {"grad_norm": self.grad_norm, "clipped": self.clipped, "skipped": self.skipped,
+               "zero_grad_fraction": self.zero_grad_fraction}
+        if self.loss_scale is not None:
+            out["loss_scale"] = self.loss_scale
+        return out
+
+
+def accumulate(model: Any, micro_batches: Sequence[Any], forward: Callable[[Any], Any],
+               loss: Callable[[Any, Any], torch.Tensor] | None, policy: Policy,
+               scaler: torch.amp.GradScaler | None, before_micro: Callable[[int], None]) -> float:
+    """Forward under autocast, loss in fp32 outside it, scaled backward; returns the mean loss."""
+    count, total = len(micro_batches), 0.0
+    for index, batch in enumerate(micro_batches):
+        before_micro(index)
+        syncing = index == count - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if syncing else model.no_sync():
+            with policy.autocast():
+                output = forward(batch)
+            value = (to_float(output) if loss is None else loss(to_float(output), batch)).float()
+            scaled = value / count
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        total += float(value.detach())
+    return total / count
+
+
+def optimizer_step(model: Any, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                   max_norm: float | None) -> StepStats:
+    """Unscale, clip, step and update; reports the pre-clip norm and whether the step was skipped."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+        _agree_on_inf(scaler, optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm)) if max_norm is not None else None
+    zero_fraction = _zero_fraction(parameters)
+    scale = None
+    skipped = False
+    if scaler is not None:
+        scale = float(scaler.get_scale())
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = float(scaler.get_scale()) < scale
+    else:
+        optimizer.step()
+    clipped = grad_norm is not None and max_norm is not None and grad_norm > max_norm
+    return StepStats(0.0, grad_norm, clipped, scale, skipped, zero_fraction)
+
+
+def _agree_on_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """Make every rank skip when any rank found an inf (private GradScaler state, stable since torch 1.6)."""
+    if collectives.world_size() == 1:
+        return
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    local = sum(float(flag.item()) for flag in found.values())
+    if collectives.all_reduce_sum([local])[0] > 0:
+        for flag in found.values():
+            flag.fill_(1.0)
+
+
+def _zero_fraction(parameters: list[torch.Tensor]) -> float:
+    """Fraction of exactly-zero gradient elements: a cheap underflow signal."""
+    zeros, total = 0, 0
+    for p in parameters:
+        if p.grad is not None:
+            zeros += int((p.grad == 0).sum())
+            total += p.grad.numel()
+    return zeros / total if total else 0.0
