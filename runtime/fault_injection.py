@@ -16,6 +16,13 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], rank: int, attempt: int) -> None:
         self.faults = [f for f in faults if f.applies(rank, attempt)]
+        self.fired: set[int] = set()  # each fault fires once per process
+
+    def _once(self, fault: Fault) -> bool:
+        if id(fault) in self.fired:
+            return False
+        self.fired.add(id(fault))
+        return True
 
     def has(self, kind: str) -> bool:
         return any(f.kind == kind for f in self.faults)
@@ -32,12 +39,12 @@ class FaultInjector:
 
     def nan_loss(self, step: int) -> bool:
         """True when the step that follows ``step`` must report a NaN loss (anomaly tests)."""
-        return any(f.kind == "nan" and f.step == step for f in self.faults)
+        return any(f.kind == "nan" and f.step == step and self._once(f) for f in self.faults)
 
     def after_backward(self, step: int, model: Any) -> None:
         """inf-grad: write inf into this rank's first gradient after DDP's all-reduce (fp16 tests)."""
         for fault in self.faults:
-            if fault.kind == "inf-grad" and fault.step == step:
+            if fault.kind == "inf-grad" and fault.step == step and self._once(fault):
                 grad = next(p.grad for p in model.parameters() if p.grad is not None)
                 grad.view(-1)[0] = float("inf")
 

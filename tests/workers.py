@@ -6,6 +6,7 @@ can find and kill what it started even when a rank was orphaned.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -50,10 +51,15 @@ def kill_run(run_id: str) -> None:
             pass
 
 
+def run_id_for(run_dir: Path) -> str:
+    """Stable for one run dir (attempts share it), unique across tests (cleanup kills by run id)."""
+    return f"{run_dir.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]}"
+
+
 def run_job(run_dir: Path, nproc: int = 1, args: tuple[str, ...] = (), timeout: float = 120,
             module: str = TEMPLATE, script: Path | None = None, **env_fields: object) -> Result:
     """Run a worker script under plain python (nproc=1) or torchrun, with C1 fields from ``env_fields``."""
-    fields = {"run_id": run_dir.name, "run_dir": run_dir, "threads": 1, **env_fields}
+    fields = {"run_id": run_id_for(run_dir), "run_dir": run_dir, "threads": 1, **env_fields}
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
     env.update(QUIET)
     env.update(RunEnv(**fields).to_env())
