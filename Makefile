@@ -29,3 +29,6 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
+
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py
