@@ -6,7 +6,9 @@ decorated, and a ``SyntaxError`` happens before any decorator could run, so this
 shim compiles and runs the script itself and writes that file for every
 uncaught exception, in torchrun's format plus ``ckptrun_phase``: ``load`` when
 the script never started (missing file, syntax error: a restart cannot help),
-``run`` otherwise. It also installs the SIGUSR2 stack dump early, so a rank that
+``run`` otherwise, and whether the script had imported ``ckptrun.runtime`` (so
+the supervisor knows a failure before the first heartbeat is not a plain
+script's). It also installs the SIGUSR2 stack dump early, so a rank that
 hangs before ``ckptrun.runtime.init()`` still shows where it is.
 
 Usage (what torchrun runs): ``python -m ckptrun.runtime.bootstrap SCRIPT [ARGS...]``
@@ -45,6 +47,7 @@ def record_failure(exc: BaseException, phase: str) -> None:
                 "timestamp": str(int(time.time())),
                 "time": time.time(),
                 "ckptrun_phase": phase,
+                "ckptrun_runtime": "ckptrun.runtime.session" in sys.modules,
             },
         }
     }

@@ -42,6 +42,8 @@ class RunEnv(BaseModel):
     save_every_seconds: float | None = Field(None, gt=0, description="Save when T seconds passed since the last save (rank 0 decides).")
     keep_last: int = Field(3, ge=1, description="Verified snapshots of the lineage kept besides milestones.")
     keep_every: int | None = Field(None, ge=1, description="Snapshots at multiples of M steps are milestones, never deleted.")
+    async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
+    save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")
     max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that stop the run (exit 1).")
     heartbeat_interval: float = Field(1.0, gt=0, description="Seconds between heartbeat writes of a rank.")
     seed: int = Field(0, description="Base seed; rank r seeds python, numpy and torch with seed + r.")

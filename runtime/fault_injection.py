@@ -27,6 +27,11 @@ class FaultInjector:
     def has(self, kind: str) -> bool:
         return any(f.kind == kind for f in self.faults)
 
+    def step_fault_due(self, step: int, micro: int | None = None) -> bool:
+        """A kill/hang/exit is due here; the caller first lets in-flight saves publish, so that
+        which snapshot a test resumes from does not depend on the writer's speed."""
+        return any(f.kind in ("kill", "hang", "exit") and f.step == step and f.micro == micro for f in self.faults)
+
     def after_step(self, step: int) -> None:
         for fault in self.faults:
             if fault.kind in ("kill", "hang", "exit") and fault.step == step and fault.micro is None:

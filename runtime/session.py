@@ -29,6 +29,7 @@ from ckptrun.runtime.faults import parse_faults
 from ckptrun.runtime.liveness import Heartbeater, enable_stack_dumps, watch_supervisor
 from ckptrun.runtime.policies import FailedSaves, Retention, SaveCadence
 from ckptrun.runtime.precision import Policy, PrecisionUnavailable, ScalerConfig, resolve
+from ckptrun.runtime.saver import Saver
 from ckptrun.runtime.precision_report import REPORT, DtypeRecorder, write_report
 from ckptrun.runtime.treecodec import join, split
 from ckptrun.runtime.verify import newest_verified, verify_snapshot
@@ -84,7 +85,9 @@ class Run:
         self.failed_saves = FailedSaves(env.max_failed_saves)
         self.faults = FaultInjector(parse_faults(env.fault), self.rank, env.attempt)
         self.heart = Heartbeater(self.run_dir, self.rank, env.attempt, env.heartbeat_interval)
-        self.stager = snapshot.Stager()
+        self.saver = Saver(self.ckpt_dir, env.hash_algorithm, env.async_save, env.save_overlap)
+        self.published: str | None = None
+        self.save_budget_spent: str | None = None
         self.code_version = _code_version()
         self.lineage = ""
         self.parent: str | None = None
@@ -234,7 +237,7 @@ class Run:
         recorder = self._precision_recorder()
         with recorder if recorder is not None else contextlib.nullcontext():
             value = stepper.accumulate(model, micro_batches, forward, loss, self.precision, self.scaler,
-                                       before_micro=lambda index: self.faults.inside_step(self.step, index))
+                                       before_micro=self._micro_fault)
             self.faults.after_backward(self.step, model)
             if recorder is not None:
                 recorder.phase = "optimizer"
@@ -247,6 +250,11 @@ class Run:
         optimizer.zero_grad(set_to_none=True)
         count = len(micro_batches) * getattr(self.objects.get("loader"), "global_batch", 0)
         return self.end_step(value, samples=count, **stats.metrics())
+
+    def _micro_fault(self, index: int) -> None:
+        if self.faults.step_fault_due(self.step, index):
+            self._settle_saves(wait=True)
+            self.faults.inside_step(self.step, index)
 
     def _precision_recorder(self) -> DtypeRecorder | None:
         """Rank 0 records op dtypes during its first step of a run (precision.json)."""
@@ -272,7 +280,12 @@ class Run:
             local = float("nan")
         wants_stop = float(self._stop_requested())
         wants_save = float(self.rank == 0 and self.cadence.time_due(time.monotonic(), self.last_save_time))
-        loss_sum, stops, saves = collectives.all_reduce_sum([local, wants_stop, wants_save])
+        self._settle_saves()
+        spent = float(self.save_budget_spent is not None)
+        loss_sum, stops, saves, give_up = collectives.all_reduce_sum([local, wants_stop, wants_save, spent])
+        if give_up > 0:
+            self._refuse(f"{self.save_budget_spent or 'saves failed on another rank'}; free disk space or fix the "
+                         "checkpoint dir, then `ckptrun resume --latest`", EXIT_FAILED)
         mean_loss = loss_sum / self.world_size
         self._log_step(self.step + 1, mean_loss, dict(metrics, skipped=skipped), samples)
         if skipped:
@@ -286,7 +299,9 @@ class Run:
             self._stop()
         if saves > 0 or self.cadence.step_due(self.step):
             self.save()
-        self.faults.after_step(self.step)
+        if self.faults.step_fault_due(self.step):
+            self._settle_saves(wait=True)
+            self.faults.after_step(self.step)
         return mean_loss
 
     def _log_step(self, step: int, loss: float, metrics: dict[str, Any], samples: int) -> None:
@@ -295,7 +310,7 @@ class Run:
         if self.rank != 0:
             return
         record = {"step": step, "attempt": self.env.attempt, "loss": loss, "time": time.time(), "step_time_s": elapsed,
-                  "precision": self.precision.mode}
+                  "precision": self.precision.mode, "saving": self.saver.busy()}
         if samples and elapsed > 0:
             record["samples_per_s"] = samples / elapsed
         optimizer = self.objects.get("optimizer")
@@ -328,6 +343,7 @@ class Run:
         """Restore the previous verified snapshot in-process, fork the lineage, lower the LR, skip the data window."""
         if self.rollbacks >= self.env.max_rollbacks:
             self._refuse(f"anomaly after {self.rollbacks} rollbacks ({reason}); lower the learning rate or inspect the data")
+        self._settle_saves(wait=True)
         choice = None
         if self.rank == 0:
             report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
@@ -364,28 +380,49 @@ class Run:
 
     # --- saving -----------------------------------------------------------------
 
-    def save(self) -> snapshot.SaveResult:
-        """Collectively save a snapshot of the whole state at this step boundary."""
+    def save(self) -> None:
+        """Snapshot the whole state at this step boundary; async saves return once the state is staged."""
         self.heart.beat(self.step, "save")
-        started = time.monotonic()
-        result = snapshot.save(self.ckpt_dir, self._collect(), self._info(), self.stager, self.env.hash_algorithm,
-                               fault=lambda phase: self.faults.during_save(self.step, phase))
+        step, started = self.step, time.monotonic()
+        if not (self.saver.busy() and self.env.save_overlap == "skip"):
+            self._settle_saves(wait=True)  # at most one in flight; its outcome names the next parent
+        if self.save_budget_spent is not None:  # every rank settled the same results: they agree here
+            self._refuse(f"{self.save_budget_spent}; free disk space or fix the checkpoint dir, "
+                         "then `ckptrun resume --latest`", EXIT_FAILED)
+        waited = time.monotonic() - started
+        if waited > 0.001 and self.rank == 0:
+            records.log_event(self.run_dir, "save_waited", step=step, seconds=waited)
+        self.saver.begin(self._collect(), self._info(), fault=lambda phase: self.faults.during_save(step, phase),
+                         on_result=self._on_save_result, waited=waited)
         self.last_save_time = time.monotonic()
-        if result.ok:
-            self.parent, self.saved_step = result.path.name, self.step  # type: ignore[union-attr]
-            if self.rank == 0:
-                records.log_event(self.run_dir, "snapshot_saved", step=self.step, path=str(result.path), bytes=result.bytes,
-                                  stall_s=result.stall_s, write_s=result.persist_s + result.publish_s,
-                                  persist_s=result.persist_s, publish_s=result.publish_s, total_s=self.last_save_time - started)
-                self._apply_retention()
-        elif self.rank == 0:
-            records.log_event(self.run_dir, "save_failed", step=self.step, error=result.error)
-            print(f"ckptrun: SAVE FAILED at step {self.step}: {result.error}", file=sys.stderr, flush=True)
-        if self.failed_saves.record(result.ok):
-            self._refuse(f"{self.failed_saves.consecutive} consecutive saves failed (last: {result.error}); "
-                         "free disk space or fix the checkpoint dir, then `ckptrun resume --latest`", EXIT_FAILED)
+        self.saved_step, self.parent = step, store.snapshot_name(step)
+        self._settle_saves(wait=not self.env.async_save)
         self.heart.beat(self.step, "train")
-        return result
+
+    def _on_save_result(self, result: snapshot.SaveResult) -> None:
+        """Every rank, on the thread that finished the save: rank 0 records it and applies retention."""
+        if self.rank != 0:
+            return
+        if result.ok:
+            seconds = result.persist_s + result.publish_s
+            records.log_event(self.run_dir, "snapshot_saved", step=result.step, path=str(result.path), bytes=result.bytes,
+                              stall_s=result.stall_s, waited_s=result.waited_s, write_s=seconds,
+                              persist_s=result.persist_s, publish_s=result.publish_s, asynchronous=result.asynchronous,
+                              throughput_mb_s=result.bytes / seconds / 1e6 if seconds else None)
+            self._apply_retention()
+        else:
+            records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)
+            print(f"ckptrun: SAVE FAILED at step {result.step}: {result.error}", file=sys.stderr, flush=True)
+
+    def _settle_saves(self, wait: bool = False) -> None:
+        """Account for finished saves: the parent of the next one, and the consecutive-failure budget."""
+        for result in self.saver.collect(wait):
+            if result.ok:
+                self.published = result.path.name  # type: ignore[union-attr]
+            elif self.saved_step == result.step:
+                self.saved_step, self.parent = None, self.published
+            if self.failed_saves.record(result.ok):
+                self.save_budget_spent = f"{self.failed_saves.consecutive} consecutive saves failed (last: {result.error})"
 
     def _collect(self) -> snapshot.State:
         trees, tensors = {}, {}
@@ -435,13 +472,19 @@ class Run:
         return (self.run_dir / "stop").exists()
 
     def _stop(self) -> None:
-        """Agreed stop: emergency snapshot at this boundary (unless just saved), then exit 3."""
-        if self.saved_step != self.step:
-            self.save()
+        """Agreed stop: emergency snapshot at this boundary (unless just saved), wait for it, then exit 3."""
+        self._final_save()
         if self.rank == 0:
             records.log_event(self.run_dir, "stopped", step=self.step, attempt=self.env.attempt)
         self.heart.beat(self.step, "done")
         self._exit_quietly(EXIT_STOPPED)
+
+    def _final_save(self) -> None:
+        """Wait for the in-flight save; save this step unless it is saved; wait for that too."""
+        self._settle_saves(wait=True)
+        if self.saved_step != self.step and self.step > 0:
+            self.save()
+            self._settle_saves(wait=True)
 
     def _exit_quietly(self, code: int) -> None:
         """Leave after the ranks agree, without running the rest of the user's script."""
@@ -452,8 +495,8 @@ class Run:
 
     def finish(self) -> None:
         """End of training: a final snapshot (unless this step is saved), completion event, leave the group."""
-        if self.saved_step != self.step and self.step > 0:
-            self.save()
+        self._final_save()
+        self.saver.close()
         if self.rank == 0:
             records.log_event(self.run_dir, "completed", step=self.step, attempt=self.env.attempt)
         self.heart.beat(self.step, "done")

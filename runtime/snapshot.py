@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,16 +72,21 @@ class SnapshotInfo:
     code_version: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class SaveResult:
+    """One save's outcome, the same on every rank."""
+
     ok: bool
+    step: int = -1
     path: Path | None = None
     bytes: int = 0
-    stall_s: float = 0.0
+    stall_s: float = 0.0  # what the training loop waited: previous save + preflight + stage
     persist_s: float = 0.0
     publish_s: float = 0.0
     error: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False  # refused before writing (preflight, overlap policy)
+    waited_s: float = 0.0  # part of the stall spent waiting for the previous save
+    asynchronous: bool = False
 
 
 class SaveFailed(Exception):
@@ -91,50 +96,31 @@ class SaveFailed(Exception):
 FaultHook = Callable[[str], None]
 
 
-class Stager:
-    """Host buffers allocated once and reused by every save (first touch of new memory is slow)."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        staged = {}
-        for key, tensor in tensors.items():
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-                self._buffers[key] = buffer
-            buffer.copy_(tensor.detach())
-            staged[key] = buffer
-        return staged
-
-
-def save(
-    ckpt_dir: Path,
+def persist_and_publish(
+    temp_dir: Path,
     state: State,
     info: SnapshotInfo,
-    stager: Stager,
-    algorithm: str = "sha256",
-    fault: FaultHook = lambda phase: None,
+    algorithm: str,
+    fault: FaultHook,
+    group: Any = None,
 ) -> SaveResult:
-    """Stage, persist and publish a snapshot collectively; every rank gets the same result."""
+    """Persist this rank's part of a staged snapshot, then publish it collectively on ``group``.
+
+    Every rank gets the same result. Runs inline (sync saves) or on the
+    background writer thread (async saves); it only reads the staged copies.
+    """
     started = time.monotonic()
     rank, world = collectives.rank(), collectives.world_size()
-    temp_dir = collectives.broadcast_object(store.new_temp_dir(ckpt_dir, info.step) if rank == 0 else None)
-    fault("stage")
-    staged_shared = stager.stage(state.shared_tensors)
-    staged_rank = {k: t.detach().clone() for k, t in state.rank_tensors.items()}
-    stall = time.monotonic() - started
-    entries, error = _persist(temp_dir, state, staged_shared, staged_rank, rank, algorithm, fault)
+    entries, error = _persist(temp_dir, state, rank, algorithm, fault, group)
     persist_done = time.monotonic()
-    gathered = collectives.all_gather_object((entries, error))
+    gathered = collectives.all_gather_object((entries, error), group=group)
     errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
     if errors:
-        errors.append(_free_space(ckpt_dir))
+        errors.append(_free_space(temp_dir.parent))
         if rank == 0:
-            store.clean_temp_dirs(ckpt_dir)
-        collectives.barrier()
-        return SaveResult(False, error="; ".join(errors), stall_s=stall)
+            store.clean_temp_dirs(temp_dir.parent)
+        collectives.barrier(group)
+        return SaveResult(False, info.step, error="; ".join(errors), persist_s=persist_done - started)
     fault("before-manifest")
     result: Any = None
     if rank == 0:
@@ -142,21 +128,20 @@ def save(
         result = _publish(temp_dir, files, info, world, fault)
     else:
         fault("before-publish")  # the publisher is rank 0; other ranks wait for it here
-    result = collectives.broadcast_object(result)
+    result = collectives.broadcast_object(result, group=group)
     if isinstance(result, str):
-        return SaveResult(False, error=result, stall_s=stall)
+        return SaveResult(False, info.step, error=result, persist_s=persist_done - started)
     path, total = result
-    now = time.monotonic()
-    return SaveResult(True, Path(path), total, stall, persist_done - started - stall, now - persist_done)
+    return SaveResult(True, info.step, Path(path), total, 0.0, persist_done - started, time.monotonic() - persist_done)
 
 
-def _persist(temp_dir: Path, state: State, shared: dict, own: dict, rank: int, algorithm: str, fault: FaultHook) -> tuple[list[FileEntry], str | None]:
+def _persist(temp_dir: Path, state: State, rank: int, algorithm: str, fault: FaultHook, group: Any) -> tuple[list[FileEntry], str | None]:
     """Write this rank's files; DCP runs collectively, so every rank must call it."""
     entries: list[FileEntry] = []
     error = None
     writer = hashing_writer(temp_dir / DCP_DIR, algorithm, on_write=lambda name: fault("persist"))
     try:
-        dcp.save(shared, storage_writer=writer)
+        dcp.save(state.shared_tensors, storage_writer=writer, process_group=group)
     except BaseException as exc:  # CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -169,7 +154,7 @@ def _persist(temp_dir: Path, state: State, shared: dict, own: dict, rank: int, a
         if rank == 0:
             entries.append(_write_json(temp_dir / STATE_JSON, state.shared_tree, algorithm))
         entries.append(_write_json(temp_dir / rank_json(rank), state.rank_tree, algorithm))
-        entries.append(_write_tensors(temp_dir / rank_tensors(rank), own, algorithm))
+        entries.append(_write_tensors(temp_dir / rank_tensors(rank), state.rank_tensors, algorithm))
     except OSError as exc:
         error = f"writing {exc.filename or 'snapshot file'} failed: {exc.strerror or exc}"
     return entries, error

@@ -196,31 +196,39 @@ def test_retention_keeps_last_k_and_milestones(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 20 MiB tmpfs (room for one ~14 MB snapshot) where permitted, else None."""
+    """A 32 MiB tmpfs (room for one ~14 MB snapshot plus margin) where permitted, else None."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount_point)], capture_output=True).returncode == 0
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount_point)], capture_output=True).returncode == 0
     yield mount_point if mounted else None
     if mounted:
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
 
 
 @pytest.mark.timeout(120)
-def test_disk_full_keeps_the_previous_snapshot_and_stops_after_three_failures(tmp_path, small_disk):
+@pytest.mark.parametrize("how", ["full-disk", "enospc-while-writing"])
+def test_disk_full_keeps_the_previous_snapshot_and_stops_after_three_failures(tmp_path, small_disk, how):
+    """A full disk is refused by the preflight (a skipped save); an ENOSPC while writing fails the save.
+    Either way the previous snapshot stays verified and the third failure in a row stops the run (exit 1)."""
     run_dir = tmp_path / "run"
-    if small_disk is not None:
+    args = ("--steps", "20", "--num-workers", "0")
+    if how == "full-disk" and small_disk is None:
+        pytest.skip("mounting a tmpfs is not permitted here; the injected ENOSPC case covers the write path")
+    if how == "full-disk":
         ckpt = small_disk / "checkpoints"
-        result = run_job(run_dir, args=("--steps", "20", "--num-workers", "0"), ckpt_dir=ckpt, save_every_steps=2)
-    else:  # no mount permission: inject ENOSPC into the writes instead
+        result = run_job(run_dir, args=args, ckpt_dir=ckpt, save_every_steps=2)
+        failure_event = "save_skipped"
+    else:
         ckpt = run_dir / "checkpoints"
-        result = run_job(run_dir, args=("--steps", "20", "--num-workers", "0"), save_every_steps=2, fault="enospc:step=4")
+        result = run_job(run_dir, args=args, save_every_steps=2, fault="enospc:step=4")
+        failure_event = "save_failed"
     assert result.returncode == 1, result.stderr
     assert "SAVE FAILED at step 4" in result.stderr and "MiB free in" in result.stderr
     assert published_steps(ckpt) == [2]
     assert [r.status for r in verify_dir(ckpt)] == ["ok"]
-    assert [e["step"] for e in read_events(run_dir, "save_failed")] == [4, 6, 8]
+    assert [e["step"] for e in read_events(run_dir, failure_event)] == [4, 6, 8]
     assert read_fatal(run_dir)[0]["exit_code"] == 1
-    assert max(r["step"] for r in read_events(run_dir, "save_failed")) == 8
+    assert "3 consecutive saves failed" in result.stderr
 
 
 # --- config ----------------------------------------------------------------------------

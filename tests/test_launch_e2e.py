@@ -1,0 +1,205 @@
+"""`ckptrun launch` end to end: real torchrun, 2 CPU ranks, the embedded default job, injected faults.
+
+Scenarios are rows of a table. Every recovered run must end with per-step losses bitwise equal to an
+uninterrupted reference run's (same args, same world size), and after every scenario no process
+carrying the run's id may be left. Reference runs are shared per session.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_losses_equal, assert_no_processes, ckptrun, events,
+                            last_step, one, run_id, run_processes, start, tail, wait_for)
+
+from ckptrun.runtime.records import final_losses, read_events
+from ckptrun.runtime.verify import verify_dir
+
+pytestmark = pytest.mark.e2e
+LONG = ["--", "--steps", "60"]  # runs that are stopped or killed while training
+
+
+@pytest.fixture
+def cleanup() -> Iterator[Cleanup]:
+    """Kills every background CLI process tree and every process of the test's runs afterwards."""
+    tracker = Cleanup()
+    yield tracker
+    tracker.close()
+
+
+def _reference(tmp: Path, name: str, *script_args: str) -> dict[int, float]:
+    result = ckptrun("launch", *COMMON, "--name", name, *script_args, cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    losses = final_losses(tmp / "runs" / name)
+    assert losses and len(read_events(tmp / "runs" / name, "attempt_start")) == 1
+    return losses
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The default job, 30 steps, uninterrupted."""
+    return _reference(tmp_path_factory.mktemp("reference"), "ref")
+
+
+@pytest.fixture(scope="session")
+def reference_long(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The default job, 60 steps, uninterrupted (for runs that are stopped mid-way)."""
+    return _reference(tmp_path_factory.mktemp("reference-long"), "ref-long", *LONG)
+
+
+# --- recovered scenarios: one fault, one restart, exact losses ---------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    id: str
+    fault: str
+    failures: list[dict[str, Any]]  # fields each failure event must have, in order
+    options: tuple[str, ...] = ()
+
+
+EACH_SAVE_PHASE = ";".join([  # one run, one save phase per attempt (each attempt still makes progress)
+    "kill-during-save:rank=1:phase=stage:step=10",
+    "kill-during-save:rank=1:phase=persist:step=15:attempt=2",
+    "kill-during-save:rank=0:phase=before-manifest:step=20:attempt=3",
+    "kill-during-save:rank=0:phase=before-publish:step=25:attempt=4",
+])
+RECOVERED = [
+    Scenario("kill-rank1", "kill:rank=1:step=17", [{"cause": "crash", "rank": 1, "signal": "SIGKILL", "step": 17}]),
+    Scenario("hang-rank0", "hang:rank=0:step=12", [{"cause": "hang", "suspect": 0, "step": 12}]),
+    Scenario("exit-code-3", "exit:rank=1:step=13:code=3", [{"cause": "crash", "rank": 1, "exit_code": 3, "step": 13}]),
+    Scenario("kill-in-each-save-phase", EACH_SAVE_PHASE,
+             [{"cause": "crash", "rank": r, "signal": "SIGKILL"} for r in (1, 1, 0, 0)], ("--max-restarts", "4")),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scenario", RECOVERED, ids=[s.id for s in RECOVERED])
+def test_recovers_exactly(scenario: Scenario, reference: dict[int, float], tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / scenario.id)
+    result = ckptrun("launch", *COMMON, *scenario.options, "--name", scenario.id, "--inject-fault", scenario.fault, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    failures, restarts = events(run_dir, "failure"), events(run_dir, "restart")
+    assert [{k: f.get(k) for k in expected} for f, expected in zip(failures, scenario.failures)] == scenario.failures
+    assert len(failures) == len(scenario.failures) == len(restarts)
+    for failure, restart in zip(failures, restarts):
+        # the newest snapshot published before the failure (saves run in the background: not always the last due)
+        assert restart["snapshot_step"] == newest_published_before(run_dir, failure["time"]) < failure["step"]
+        assert restart["lost_steps"] == failure["step"] - restart["snapshot_step"]
+        for part in ("detect_s", "teardown_s", "verify_s", "relaunch_to_first_step_s", "restore_s"):
+            assert restart[part] is not None and restart[part] >= 0, (part, restart)
+    assert len(events(run_dir, "attempt_start")) == len(restarts) + 1
+    assert_losses_equal(run_dir, reference)
+    reports = verify_dir(run_dir / "checkpoints")
+    assert reports and all(r.ok for r in reports if r.status != "in-progress"), [r.to_json() for r in reports]
+    if failures[0]["cause"] == "hang":
+        assert 0 in failures[0]["stale_ranks"]
+        stack = tail(run_dir / "logs" / "attempt-1" / "rank-0" / "stderr.log", 20000)
+        assert "most recent call first" in stack and "_fire" in stack, stack[-2000:]
+    assert_no_processes(run_dir, within=5)
+
+
+def newest_published_before(run_dir: Path, time: float) -> int | None:
+    steps = [e["step"] for e in events(run_dir, "snapshot_saved") if e["time"] < time]
+    return max(steps, default=None)
+
+
+# --- runs that end without recovering ------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_syntax_error_is_not_retried(tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "syntax")
+    result = ckptrun("launch", *COMMON, "--name", "syntax", str(FIXTURES / "syntax_error.py"), cwd=tmp_path)
+    assert result.returncode == 4, result.stderr
+    assert "error: the script failed to load: rank " in result.stderr and "SyntaxError" in result.stderr
+    assert "hint: " in result.stderr and "Traceback" not in result.stderr
+    assert len(events(run_dir, "attempt_start")) == 1
+    assert one(run_dir, "failure")["phase"] == "load"
+    assert_no_processes(run_dir, within=5)
+
+
+@pytest.mark.timeout(90)
+def test_restart_budget_exhausted_exits_1(tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "budget")
+    faults = "kill:rank=1:step=7;kill:rank=1:step=12:attempt=2"
+    result = ckptrun("launch", *COMMON, "--name", "budget", "--max-restarts", "1", "--inject-fault", faults, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "restart budget is spent" in result.stderr
+    assert len(events(run_dir, "restart")) == 1
+    assert one(run_dir, "gave_up")["exit_code"] == 1 and len(events(run_dir, "failure")) == 2
+    assert_no_processes(run_dir, within=5)
+
+
+# --- stopping --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_then_resume_continues_exactly(reference_long: dict[int, float], tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "term")
+    launcher = cleanup.track(start("launch", *COMMON, "--name", "term", *LONG, cwd=tmp_path, log=tmp_path / "launch.log"))
+    wait_for(lambda: last_step(run_dir) >= 10, what="step 10")
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) == 3, tail(tmp_path / "launch.log")
+    stopped = one(run_dir, "stopped")
+    assert stopped["step"] == last_step(run_dir) < 60
+    assert_no_processes(run_dir, within=5)
+    result = ckptrun("resume", "--latest", cwd=tmp_path)  # the most recent run under runs/
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert one(run_dir, "resume")["snapshot_step"] == stopped["step"]  # zero lost steps
+    assert_losses_equal(run_dir, reference_long)
+    assert_no_processes(run_dir, within=5)
+
+
+@pytest.mark.timeout(90)
+def test_ckptrun_stop_and_a_second_launcher(reference_long: dict[int, float], tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "stopme")
+    launcher = cleanup.track(start("launch", *COMMON, "--name", "stopme", *LONG, cwd=tmp_path, log=tmp_path / "launch.log"))
+    wait_for(lambda: last_step(run_dir) >= 5, what="step 5")
+    second = ckptrun("launch", *COMMON, "--run-dir", str(run_dir), *LONG, cwd=tmp_path)
+    assert second.returncode == 2 and f"in use by supervisor pid {launcher.pid}" in second.stderr, second.stderr
+    stop = ckptrun("stop", str(run_dir), cwd=tmp_path, timeout=90)
+    assert stop.returncode == 0, stop.stderr
+    assert launcher.wait(timeout=60) == 3, tail(tmp_path / "launch.log")
+    assert one(run_dir, "stopped")["step"] < 60
+    assert_losses_equal(run_dir, reference_long, prefix=True)
+    assert not (run_dir / "stop").exists()
+    assert_no_processes(run_dir, within=5)
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_the_supervisor_leaves_no_process(tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "orphan")
+    endless = ["--", "--steps", "100000"]
+    launcher = cleanup.track(start("launch", *COMMON, "--name", "orphan", *endless, cwd=tmp_path, log=tmp_path / "launch.log"))
+    wait_for(lambda: last_step(run_dir) >= 5, what="step 5")
+    assert len(run_processes(run_dir)) >= 3  # torchrun and two ranks, at least
+    launcher.kill()
+    launcher.wait()
+    assert_no_processes(run_dir, within=15)
+    logs = "".join(tail(p, 2000) for p in (run_dir / "logs" / "attempt-1").glob("*/attempt_0/*/stderr.log"))
+    assert "is gone; exiting" in logs, logs  # the watchdog fired (torchrun may then end the other rank)
+
+
+# --- a script that does not use the runtime ---------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_plain_torchrun_script_is_restarted_after_a_crash(tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "plain")
+    out = tmp_path / "plain-out"
+    result = ckptrun("launch", *COMMON, "--name", "plain", str(FIXTURES / "plain_ddp.py"),
+                     "--out", str(out), "--steps", "20", "--crash-at", "7", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("does not use ckptrun.runtime") == 1
+    failure, restart = one(run_dir, "failure"), one(run_dir, "restart")
+    assert failure["cause"] == "crash" and failure["rank"] == 1 and failure["signal"] == "SIGKILL"
+    assert restart["snapshot"] is None  # the script resumes from its own files
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (out / "losses.jsonl").read_text().splitlines()]
+    assert steps == [*range(1, 8), *range(6, 21)]  # crashed after 7, resumed from its own step-5 checkpoint
+    assert run_id(run_dir)
+    assert_no_processes(run_dir, within=5)
