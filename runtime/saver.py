@@ -117,6 +117,7 @@ class Saver:
         rank = collectives.rank()
         temp_dir = collectives.broadcast_object(store.new_temp_dir(self.ckpt_dir, info.step) if rank == 0 else None, group=self.group)
         fault("stage")
+        allocated = self.stager.bytes_needed(state.shared_tensors)
         staged = State(state.shared_tree, self.stager.stage(state.shared_tensors), state.rank_tree,
                        {k: t.detach().to("cpu", copy=True) for k, t in state.rank_tensors.items()})
         stall = time.monotonic() - started + waited
@@ -124,7 +125,8 @@ class Saver:
         def work() -> SaveResult:
             self.stager.fence()
             result = replace(persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group),
-                             stall_s=stall, waited_s=waited, asynchronous=self.asynchronous)
+                             stall_s=stall, waited_s=waited, asynchronous=self.asynchronous,
+                             staging_allocated_bytes=allocated)
             if result.ok:
                 self.last_bytes = result.bytes
             on_result(result)

@@ -45,6 +45,12 @@ def _change_allowed(key: str, allowed: Sequence[str]) -> bool:
             or key.endswith(ALLOWED_SUFFIXES))
 
 
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def _process_start_time() -> float:
     import psutil
 
@@ -408,7 +414,8 @@ class Run:
             records.log_event(self.run_dir, "snapshot_saved", step=result.step, path=str(result.path), bytes=result.bytes,
                               stall_s=result.stall_s, waited_s=result.waited_s, write_s=seconds,
                               persist_s=result.persist_s, publish_s=result.publish_s, asynchronous=result.asynchronous,
-                              throughput_mb_s=result.bytes / seconds / 1e6 if seconds else None)
+                              throughput_mb_s=result.bytes / seconds / 1e6 if seconds else None,
+                              staging_allocated_bytes=result.staging_allocated_bytes, rss_bytes=_rss_bytes())
             self._apply_retention()
         else:
             records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)

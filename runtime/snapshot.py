@@ -87,6 +87,7 @@ class SaveResult:
     skipped: bool = False  # refused before writing (preflight, overlap policy)
     waited_s: float = 0.0  # part of the stall spent waiting for the previous save
     asynchronous: bool = False
+    staging_allocated_bytes: int = 0  # new host buffers this save needed (0 once they exist)
 
 
 class SaveFailed(Exception):
