@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckptrun.runtime.data import DataLoader, ResumableSampler
     from ckptrun.runtime.env import RunEnv
-    from ckptrun.runtime.session import Run, init
+    from ckptrun.runtime.session import Run
+    from ckptrun.runtime.startup import init
 
 __all__ = ["DataLoader", "ResumableSampler", "Run", "RunEnv", "init"]
 
@@ -22,7 +23,7 @@ _HOME = {
     "ResumableSampler": "ckptrun.runtime.data",
     "Run": "ckptrun.runtime.session",
     "RunEnv": "ckptrun.runtime.env",
-    "init": "ckptrun.runtime.session",
+    "init": "ckptrun.runtime.startup",
 }
 
 

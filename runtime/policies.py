@@ -7,6 +7,7 @@ Importable without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,18 @@ class FailedSaves:
         """Record a save's outcome; True when the run must stop."""
         self.consecutive = 0 if ok else self.consecutive + 1
         return self.consecutive >= self.limit
+
+
+# Config keys that may change on resume without being listed: run length, cadence, logging, paths.
+ALWAYS_ALLOWED = ("steps", "max_steps", "total_steps", "epochs", "max_epochs")
+ALLOWED_PREFIXES = ("save_", "log", "eval_", "keep_", "ckpt", "checkpoint", "out")
+ALLOWED_SUFFIXES = ("_dir", "dir", "_path", "path", "_file")
+
+
+def refused_changes(saved: dict[str, Any], current: dict[str, Any], allowed: Sequence[str]) -> list[str]:
+    """Config keys whose value changed since the snapshot and that may not change (hyperparameters)."""
+    def may_change(key: str) -> bool:
+        return (key in allowed or key in ALWAYS_ALLOWED or key.startswith(ALLOWED_PREFIXES)
+                or key.endswith(ALLOWED_SUFFIXES))
+
+    return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k) and not may_change(k))

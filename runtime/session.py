@@ -26,23 +26,16 @@ from ckptrun.runtime.anomaly import AnomalyDetector
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.fault_injection import FaultInjector
 from ckptrun.runtime.faults import parse_faults
-from ckptrun.runtime.liveness import Heartbeater, enable_stack_dumps, watch_supervisor
-from ckptrun.runtime.policies import FailedSaves, Retention, SaveCadence
-from ckptrun.runtime.precision import Policy, PrecisionUnavailable, ScalerConfig, resolve
+from ckptrun.runtime.liveness import Heartbeater
+from ckptrun.runtime.policies import FailedSaves, Retention, SaveCadence, refused_changes
+from ckptrun.runtime.retention import apply_retention
+from ckptrun.runtime.precision import Policy
 from ckptrun.runtime.saver import Saver
 from ckptrun.runtime.precision_report import REPORT, DtypeRecorder, write_report
 from ckptrun.runtime.treecodec import join, split
-from ckptrun.runtime.verify import newest_verified, verify_snapshot
+from ckptrun.runtime.verify import newest_verified
 
 EXIT_FAILED, EXIT_STOPPED, EXIT_UNRECOVERABLE = 1, 3, 4
-DEFAULT_ALLOWED = ("steps", "max_steps", "total_steps", "epochs", "max_epochs")
-ALLOWED_PREFIXES = ("save_", "log", "eval_", "keep_", "ckpt", "checkpoint", "out")
-ALLOWED_SUFFIXES = ("_dir", "dir", "_path", "path", "_file")
-
-
-def _change_allowed(key: str, allowed: Sequence[str]) -> bool:
-    return (key in allowed or key in DEFAULT_ALLOWED or key.startswith(ALLOWED_PREFIXES)
-            or key.endswith(ALLOWED_SUFFIXES))
 
 
 def _rss_bytes() -> int:
@@ -180,8 +173,7 @@ class Run:
         if manifest.world_size != self.world_size:
             self._refuse(f"snapshot step {manifest.step} was written by {manifest.world_size} ranks but this run has "
                          f"{self.world_size}; resume with --nproc-per-node {manifest.world_size} (resharding is not supported yet)")
-        changed = sorted(k for k in set(manifest.config) | set(self.config)
-                         if manifest.config.get(k) != self.config.get(k) and not _change_allowed(k, self.env.allow_changes))
+        changed = refused_changes(manifest.config, self.config, self.env.allow_changes)
         if changed:
             detail = ", ".join(f"{k}: {manifest.config.get(k)!r} -> {self.config.get(k)!r}" for k in changed)
             self._refuse(f"config changed since snapshot step {manifest.step} ({detail}); "
@@ -416,7 +408,7 @@ class Run:
                               persist_s=result.persist_s, publish_s=result.publish_s, asynchronous=result.asynchronous,
                               throughput_mb_s=result.bytes / seconds / 1e6 if seconds else None,
                               staging_allocated_bytes=result.staging_allocated_bytes, rss_bytes=_rss_bytes())
-            self._apply_retention()
+            apply_retention(self.ckpt_dir, self.retention, self.run_dir)
         else:
             records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)
             print(f"ckptrun: SAVE FAILED at step {result.step}: {result.error}", file=sys.stderr, flush=True)
@@ -448,30 +440,6 @@ class Run:
             epoch=getattr(loader, "epoch", 0), samples_seen=getattr(loader, "samples_seen", 0),
             precision=self.precision.mode, config=self.config, code_version=self.code_version,
         )
-
-    def _apply_retention(self) -> None:
-        """Rank 0, after a publish: delete what the policy allows once the newest is verified."""
-        lineage = store.read_lineage(self.ckpt_dir)
-        chain = []
-        for entry in store.list_entries(self.ckpt_dir, include_abandoned=False):
-            if entry.kind == "published":
-                try:
-                    manifest = snapshot.read_manifest(entry.path)
-                except ValueError:
-                    continue
-                if lineage is None or lineage.contains(manifest):
-                    chain.append(entry)
-        doomed = set(self.retention.to_delete([e.step for e in chain]))
-        if not doomed:
-            return
-        newest = max(chain, key=lambda e: e.step)
-        if not verify_snapshot(newest.path).ok:
-            records.log_event(self.run_dir, "retention_skipped", reason=f"{newest.name} does not verify")
-            return
-        for entry in chain:
-            if entry.step in doomed:
-                store.delete_snapshot(entry.path)
-                records.log_event(self.run_dir, "snapshot_deleted", step=entry.step, path=str(entry.path))
 
     # --- stopping -------------------------------------------------------------
 
@@ -510,59 +478,3 @@ class Run:
         if collectives.active():
             dist.barrier()
             dist.destroy_process_group()
-
-
-def init(config: dict[str, Any] | None = None, precision: str | None = None) -> Run:
-    """Start this worker under ckptrun's policy (C1), or with defaults under plain torchrun/python.
-
-    ``precision`` is what the script asks for; when the launcher set one too and
-    they differ, the worker stops with an error naming both (one source of truth).
-    """
-    env = RunEnv.from_env()
-    if "run_dir" not in env.model_fields_set:
-        env = env.model_copy(update={"run_dir": Path("runs") / Path(sys.argv[0]).stem})
-    if precision is not None:
-        if "precision" in env.model_fields_set and env.precision != precision:
-            _refuse_early(env, f"the script asks for precision {precision!r} but the run was launched with "
-                               f"{env.precision!r}; drop one of them", 2)
-        env = env.model_copy(update={"precision": precision})
-    if "RANK" in os.environ and not collectives.active():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    try:
-        decision = resolve(env.precision)
-    except PrecisionUnavailable as exc:
-        _refuse_early(env, f"precision {env.precision} cannot run here: {exc}", 2)
-    policy = Policy(decision, ScalerConfig(init_scale=env.loss_scale_init, growth_interval=env.loss_scale_growth_interval))
-    policy.apply_matmul_flags()
-    if env.threads:
-        torch.set_num_threads(env.threads)
-    if env.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    rng.seed_everything(env.seed + collectives.rank())
-    env.run_dir.mkdir(parents=True, exist_ok=True)
-    enable_stack_dumps()
-    watch_supervisor(env.supervisor_pid, env.supervisor_start_time)
-    run = Run(env, config or {}, policy)
-    run.heart.beat(0, "init")
-    if run.rank == 0:
-        run.lineage = store.ensure_lineage(run.ckpt_dir, env.run_id).current
-        store.clean_temp_dirs(run.ckpt_dir)
-        if env.attempt == 1:
-            records.log_event(run.run_dir, "precision", requested=decision.requested, mode=decision.mode,
-                              reason=decision.reason, device=decision.device)
-            print(f"ckptrun: precision {decision.mode} ({decision.reason})", file=sys.stderr, flush=True)
-    run.lineage = collectives.broadcast_object(run.lineage)
-    return run
-
-
-def _refuse_early(env: RunEnv, message: str, code: int) -> None:
-    """Refuse before a Run exists: fatal record (rank 0), one line, exit ``code``; a restart cannot help."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        env.run_dir.mkdir(parents=True, exist_ok=True)
-        records.write_fatal(env.run_dir, 0, message, code)
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)

@@ -95,3 +95,19 @@ def test_restricted_unpickler_refuses_code():
     with pytest.raises(UnsafeMetadataError, match="builtins.print"):
         RestrictedUnpickler(io.BytesIO(pickle.dumps(Boom()))).load()
     assert RestrictedUnpickler(io.BytesIO(pickle.dumps(torch.Size([2, 3])))).load() == torch.Size([2, 3])
+
+
+@pytest.mark.parametrize(
+    "saved,current,allowed,refused",
+    [
+        ({"lr": 0.1, "steps": 10}, {"lr": 0.1, "steps": 20}, (), []),  # run length may change
+        ({"lr": 0.1}, {"lr": 0.2}, (), ["lr"]),
+        ({"lr": 0.1}, {"lr": 0.2}, ("lr",), []),
+        ({"lr": 0.1, "out_dir": "a", "save_every": 5}, {"lr": 0.1, "out_dir": "b", "save_every": 9}, (), []),
+        ({"dropout": 0.1}, {}, (), ["dropout"]),  # a key that disappeared is a change too
+    ],
+)
+def test_config_change_table(saved, current, allowed, refused):
+    from ckptrun.runtime.policies import refused_changes
+
+    assert refused_changes(saved, current, allowed) == refused
