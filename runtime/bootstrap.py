@@ -33,6 +33,12 @@ ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # torchrun's name, not a ckptru
 _recorded: set[int] = set()
 
 
+def _uses_runtime() -> bool:
+    """Whether the script got as far as loading the runtime (any module besides this shim)."""
+    return any(name.startswith("ckptrun.runtime.") and name != __name__ and name != "ckptrun.runtime.bootstrap"
+               for name in sys.modules)
+
+
 def record_failure(exc: BaseException, phase: str) -> None:
     """Write torchrun's error-file JSON for ``exc`` (no-op outside torchrun)."""
     path = os.environ.get(ERROR_FILE_VARIABLE)
@@ -47,7 +53,7 @@ def record_failure(exc: BaseException, phase: str) -> None:
                 "timestamp": str(int(time.time())),
                 "time": time.time(),
                 "ckptrun_phase": phase,
-                "ckptrun_runtime": "ckptrun.runtime.session" in sys.modules,
+                "ckptrun_runtime": _uses_runtime(),
             },
         }
     }

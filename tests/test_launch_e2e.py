@@ -155,8 +155,8 @@ def test_sigterm_stops_then_resume_continues_exactly(reference_long: dict[int, f
     assert_no_processes(run_dir, within=5)
 
 
-@pytest.mark.timeout(90)
-def test_ckptrun_stop_and_a_second_launcher(reference_long: dict[int, float], tmp_path: Path, cleanup: Cleanup) -> None:
+@pytest.mark.timeout(150)
+def test_ckptrun_stop_a_second_launcher_and_resume_from_an_older_snapshot(reference_long: dict[int, float], tmp_path: Path, cleanup: Cleanup) -> None:
     run_dir = cleanup.run_dir(tmp_path / "runs" / "stopme")
     launcher = cleanup.track(start("launch", *COMMON, "--name", "stopme", *LONG, cwd=tmp_path, log=tmp_path / "launch.log"))
     wait_for(lambda: last_step(run_dir) >= 5, what="step 5")
@@ -165,9 +165,17 @@ def test_ckptrun_stop_and_a_second_launcher(reference_long: dict[int, float], tm
     stop = ckptrun("stop", str(run_dir), cwd=tmp_path, timeout=90)
     assert stop.returncode == 0, stop.stderr
     assert launcher.wait(timeout=60) == 3, tail(tmp_path / "launch.log")
-    assert one(run_dir, "stopped")["step"] < 60
+    stopped_at = one(run_dir, "stopped")["step"]
+    assert stopped_at < 60 and not (run_dir / "stop").exists()
     assert_losses_equal(run_dir, reference_long, prefix=True)
-    assert not (run_dir / "stop").exists()
+    assert_no_processes(run_dir, within=5)
+    # resume from an older snapshot: the lineage forks there, the newer snapshots are kept aside, never used
+    older = min(e["step"] for e in events(run_dir, "snapshot_saved") if e["step"] < stopped_at and (Path(e["path"])).exists())
+    result = ckptrun("resume", "--from", str(older), "--run-dir", str(run_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert one(run_dir, "resume")["snapshot_step"] == older and "forked a new lineage" in result.stderr
+    assert list((run_dir / "checkpoints" / "abandoned").glob(f"*/step-{stopped_at:09d}"))
+    assert_losses_equal(run_dir, reference_long)
     assert_no_processes(run_dir, within=5)
 
 

@@ -1,0 +1,50 @@
+"""torchrun, plus a record of how each rank failed: the process ``ckptrun launch`` starts per attempt.
+
+Usage: ``python -m ckptrun.cli.agent FAILURES_JSON [TORCHRUN ARGS...]``. It runs
+``torch.distributed.run`` unchanged and, when torchrun gives up with
+``ChildFailedError``, writes ``ChildFailedError.failures`` (exit code or signal,
+error-file contents, per rank) to FAILURES_JSON through :mod:`ckptrun.cli.failures`.
+The supervisor reads that file instead of scraping torchrun's log. This is a
+separate process (it imports torch); the CLI never imports it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ckptrun.cli.failures import RankFailure, from_error_file, write_failures
+
+
+def _facts(global_rank: int, failure: object) -> RankFailure:
+    data = getattr(failure, "error_file_data", None)
+    facts = from_error_file(global_rank, int(getattr(failure, "exitcode")), getattr(failure, "error_file", None),
+                            data if isinstance(data, dict) else None)
+    if facts.time is None:
+        facts.time = float(getattr(failure, "timestamp", 0) or 0) or None
+    return facts
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m ckptrun.cli.agent FAILURES_JSON [TORCHRUN ARGS...]", file=sys.stderr)
+        return 2
+    record, torchrun_args = Path(argv[0]), argv[1:]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(torchrun_args))
+    except ChildFailedError as exc:
+        write_failures(record, [_facts(rank, failure) for rank, failure in sorted(exc.failures.items())])
+        print(exc.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - torchrun itself failed (rendezvous, bad args): record it
+        write_failures(record, [], agent_error=f"{type(exc).__name__}: {exc}")
+        print(f"torchrun failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

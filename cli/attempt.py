@@ -1,0 +1,165 @@
+"""One attempt = one torchrun process tree: start it, find its ranks, signal them, tear it all down.
+
+The tree runs in a session of its own (so a Ctrl-C reaches only the
+supervisor) and is started through :mod:`ckptrun.cli.agent`, which is torchrun
+plus a record of per-rank failures. Ranks are torchrun's direct children that
+carry ``RANK`` in their environment; data-loader workers and other
+grandchildren are found through psutil. Teardown collects the whole tree
+*before* signalling (a dying parent orphans its children), sends SIGTERM,
+waits the grace period and SIGKILLs survivors; a last sweep finds any process
+that still carries the run's id (a SIGKILLed rank's orphaned loader workers).
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import psutil
+
+from ckptrun.runtime.env import variable
+
+RUN_ID_VARIABLE = variable("run_id")
+
+
+def torchrun_command(failures_json: Path, torchrun_args: list[str], target: list[str]) -> list[str]:
+    """``python -m ckptrun.cli.agent FAILURES … torchrun args … -m ckptrun.runtime.bootstrap TARGET``."""
+    return [sys.executable, "-m", "ckptrun.cli.agent", str(failures_json), *torchrun_args,
+            "--max-restarts", "0", "-m", "ckptrun.runtime.bootstrap", *target]
+
+
+class AttemptProcess:
+    """The running torchrun tree of one attempt."""
+
+    def __init__(self, command: list[str], env: Mapping[str, str], console_log: Path, cwd: Path | None = None) -> None:
+        console_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(console_log, "ab") as log:
+            self.popen = subprocess.Popen(command, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
+        self.started = time.time()
+        self.root = psutil.Process(self.popen.pid)
+        self.ranks: dict[int, psutil.Process] = {}
+        self.local_world_size: int | None = None
+
+    def exit_code(self) -> int | None:
+        """torchrun's exit status once it has ended (negative: killed by that signal)."""
+        return self.popen.poll()
+
+    def discover_ranks(self) -> dict[int, psutil.Process]:
+        """Find rank processes among torchrun's children (cheap once all are known)."""
+        if self.local_world_size is not None and len(self.ranks) >= self.local_world_size:
+            return self.ranks
+        try:
+            children = self.root.children()
+        except psutil.Error:
+            return self.ranks
+        known = {p.pid for p in self.ranks.values()}
+        for child in children:
+            if child.pid not in known:
+                self._adopt(child)
+        return self.ranks
+
+    def _adopt(self, child: psutil.Process) -> None:
+        try:
+            environ = child.environ()
+        except psutil.Error:
+            return
+        if "RANK" not in environ:  # not exec'd yet: try again on the next poll
+            return
+        self.ranks[int(environ["RANK"])] = child
+        if environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+            self.local_world_size = int(environ["LOCAL_WORLD_SIZE"])
+
+    def alive(self, rank: int) -> bool:
+        return _running(self.ranks[rank])
+
+    def signal_ranks(self, ranks: Iterable[int], sig: signal.Signals) -> None:
+        for rank in ranks:
+            process = self.ranks.get(rank)
+            if process is not None and _running(process):
+                try:
+                    process.send_signal(sig)
+                except psutil.Error:
+                    pass
+
+    def tree(self) -> list[psutil.Process]:
+        """torchrun and every descendant, collected now."""
+        processes = [self.root, *self.ranks.values()]
+        for process in list(processes):
+            try:
+                processes.extend(process.children(recursive=True))
+            except psutil.Error:
+                pass
+        unique = {p.pid: p for p in processes if p.pid != self.root.pid}
+        return list(unique.values())
+
+    def teardown(self, grace: float, run_id: str) -> float:
+        """SIGTERM the tree, wait up to ``grace``, SIGKILL the rest, sweep by run id; returns seconds."""
+        started = time.monotonic()
+        others = self.tree()
+        if self.popen.poll() is None:
+            _signal(self.root, signal.SIGTERM)
+        for process in others:
+            _signal(process, signal.SIGTERM)
+        alive = wait_gone(others, grace)
+        try:
+            self.popen.wait(timeout=max(0.1, grace - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        kill_all(alive)
+        kill_all(processes_of_run(run_id))
+        return time.monotonic() - started
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _signal(process: psutil.Process, sig: signal.Signals) -> None:
+    try:
+        process.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def kill_all(processes: list[psutil.Process], wait: float = 5.0) -> None:
+    for process in processes:
+        _signal(process, signal.SIGKILL)
+    wait_gone(processes, wait)
+
+
+def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until each process has exited (a zombie counts: it runs nothing); returns those still alive.
+
+    Not psutil.wait_procs: an orphan's zombie waits for init to reap it, which can take a second.
+    """
+    deadline = time.monotonic() + timeout
+    alive = [p for p in processes if _running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if _running(p)]
+    return alive
+
+
+def processes_of_run(run_id: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this run's id (never this process)."""
+    found = []
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
+            continue
+        try:
+            if process.environ().get(RUN_ID_VARIABLE) == run_id and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found

@@ -1,0 +1,132 @@
+"""Per-rank failure facts of one attempt, as torchrun recorded them — never scraped from logs.
+
+``ckptrun.cli.agent`` runs torchrun and, when it raises ``ChildFailedError``,
+writes ``failures.json`` in the attempt's log directory from
+``ChildFailedError.failures``: each failed rank's exit code or signal and the
+contents of its error file (the exception and traceback the worker bootstrap
+recorded). This module owns that file's format and turns it into the root
+cause a person reads first: the earliest failing rank, how it died, why.
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+FAILURES_NAME = "failures.json"
+CONSOLE_NAME = "console.log"
+PLACEHOLDERS = ("<NONE>", "<N/A>", "")  # torchrun's words for "no error file"
+
+
+@dataclass
+class RankFailure:
+    """How one rank (or torchrun itself, ``rank=None``) ended an attempt."""
+
+    rank: int | None
+    exit_code: int | None = None
+    signal: str | None = None
+    exception: str | None = None
+    traceback: str | None = None
+    time: float | None = None
+    phase: str | None = None  # "load": the script never started; "run": it failed while running
+    uses_runtime: bool | None = None  # the script had imported ckptrun.runtime when it failed
+    log: str | None = None
+
+    def describe(self) -> str:
+        """One line: who, how, why (the exception if there is one)."""
+        who = f"rank {self.rank}" if self.rank is not None else "torchrun"
+        if self.exception:
+            return f"{who}: {self.exception}"
+        if self.signal:
+            return f"{who} was killed by {self.signal}"
+        if self.exit_code is not None:
+            return f"{who} exited with code {self.exit_code}"
+        return f"{who} ended for an unknown reason"
+
+    def to_json(self) -> dict[str, Any]:
+        """Fields for the failure event (``time`` is the event's own, so the failure's is ``failed_at``)."""
+        fields = {k: v for k, v in asdict(self).items() if k not in ("traceback", "time")}
+        return {**fields, "failed_at": self.time}
+
+
+def signal_name(exit_code: int) -> str | None:
+    """torchrun reports death by signal N as exit code -N."""
+    if exit_code >= 0:
+        return None
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def from_error_file(rank: int, exit_code: int, error_file: str | None, data: dict[str, Any] | None) -> RankFailure:
+    """Build a rank's facts from torchrun's exit code and its error-file JSON (if the worker wrote one)."""
+    failure = RankFailure(rank=rank, exit_code=exit_code, signal=signal_name(exit_code))
+    message = (data or {}).get("message")
+    if message in PLACEHOLDERS:
+        message = None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo") or {}
+        failure.exception = message.get("message")
+        failure.traceback = extra.get("py_callstack")
+        failure.phase = extra.get("ckptrun_phase")
+        failure.uses_runtime = extra.get("ckptrun_runtime")
+        stamp = extra.get("time") or extra.get("timestamp")
+        failure.time = float(stamp) if stamp else None
+    elif isinstance(message, str):
+        failure.exception = message
+    if error_file and error_file not in PLACEHOLDERS:
+        failure.log = str(Path(error_file).with_name("stderr.log"))
+    return failure
+
+
+def write_failures(path: Path, failures: list[RankFailure], agent_error: str | None = None) -> None:
+    """Written once by the agent when torchrun gives up; replaced atomically."""
+    document = {"failures": [asdict(f) for f in failures], "agent_error": agent_error}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(document, indent=1))
+    os.replace(tmp, path)
+
+
+def read_failures(attempt_dir: Path) -> tuple[list[RankFailure], str | None]:
+    """The attempt's rank failures and torchrun's own error, or ``([], None)`` when none was recorded."""
+    try:
+        document = json.loads((attempt_dir / FAILURES_NAME).read_text())
+    except (OSError, ValueError):
+        return [], None
+    failures = [RankFailure(**record) for record in document.get("failures", [])]
+    return failures, document.get("agent_error")
+
+
+def root_cause(failures: list[RankFailure]) -> RankFailure | None:
+    """The earliest failing rank. A SIGTERM comes last (that is torchrun tearing the others down), and
+    on a tie (torchrun's timestamps are whole seconds) a rank with an exception wins over one without."""
+    if not failures:
+        return None
+    return min(failures, key=lambda f: (f.signal == "SIGTERM", f.time if f.time is not None else float("inf"),
+                                        f.exception is None, f.rank if f.rank is not None else -1))
+
+
+def rank_log(attempt_dir: Path, local_rank: int, stream: str = "stderr") -> Path | None:
+    """``stdout.log``/``stderr.log`` of a rank (torchrun's ``--log-dir`` layout, one level of run id)."""
+    linked = attempt_dir / f"rank-{local_rank}" / f"{stream}.log"
+    if linked.exists():
+        return linked
+    found = sorted(attempt_dir.glob(f"*/attempt_*/{local_rank}/{stream}.log"))
+    return found[-1] if found else None
+
+
+def describe_failure(failure: dict[str, Any]) -> str:
+    """One line for a person: root cause first."""
+    if failure.get("cause") == "hang":
+        return (f"ranks {failure.get('stale_ranks')} stopped making progress (suspect: rank {failure.get('suspect')}, "
+                f"phase {failure.get('phase')}, step {failure.get('step')})")
+    facts = RankFailure(rank=failure.get("rank"), exit_code=failure.get("exit_code"), signal=failure.get("signal"),
+                        exception=failure.get("exception"))
+    step = failure.get("step")
+    return facts.describe() + (f" (last step {step})" if step is not None else "")

@@ -1,0 +1,156 @@
+"""``ckptrun launch``, ``ckptrun resume`` and ``ckptrun stop``: the commands and their options.
+
+Options keep torchrun's names. ``launch`` reads ``--config FILE`` (TOML, keys
+as the long option names) and lets the flags a person typed override it; the
+spec is validated in :mod:`ckptrun.cli.spec`. Everything after the options —
+``SCRIPT [ARGS...]``, or just ``ARGS`` for the embedded default job, with an
+optional ``--`` — is the training command. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_REFUSED, CkptrunError, command
+from ckptrun.cli.rundir import RunPaths, alive, holder, latest_run
+from ckptrun.cli.runner import resume_run, start_run
+from ckptrun.cli.spec import build_spec
+from ckptrun.runtime import records
+
+LAUNCH_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+TORCHRUN, RUN, POLICY, SUPERVISION = "torchrun", "Run directory", "Checkpoint policy (C1)", "Supervision"
+
+
+def _opt(flag: str, help: str, panel: str, **kw: Any) -> Any:
+    return typer.Option(None, flag, help=help, rich_help_panel=panel, show_default=False, **kw)
+
+
+def split_target(args: list[str]) -> tuple[Optional[Path], list[str]]:
+    """``SCRIPT ARGS...`` or only ``ARGS`` (for the default job): a first word that is not an option is SCRIPT."""
+    if args and not args[0].startswith("-"):
+        return Path(args[0]), args[1:]
+    return None, list(args)
+
+
+@command
+def launch(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML file of options (keys = long option names); flags override it."),
+    nproc_per_node: Optional[str] = _opt("--nproc-per-node", "Ranks on this node (number, auto, cpu, gpu). [default: 1]", TORCHRUN),
+    nnodes: Optional[str] = _opt("--nnodes", "Nodes; more than 1 is refused for now.", TORCHRUN),
+    node_rank: Optional[int] = _opt("--node-rank", "This node's rank.", TORCHRUN),
+    standalone: bool = typer.Option(False, "--standalone", help="Fresh local rendezvous per attempt (the default).", rich_help_panel=TORCHRUN),
+    master_addr: Optional[str] = _opt("--master-addr", "Rendezvous address with --master-port.", TORCHRUN),
+    master_port: Optional[int] = _opt("--master-port", "Fixed rendezvous port (default: a fresh one per attempt).", TORCHRUN),
+    rdzv_backend: Optional[str] = _opt("--rdzv-backend", "torchrun rendezvous backend.", TORCHRUN),
+    rdzv_endpoint: Optional[str] = _opt("--rdzv-endpoint", "torchrun rendezvous endpoint.", TORCHRUN),
+    name: Optional[str] = _opt("--name", "Run name. [default: SCRIPT-STEM-DATE-TIME]", RUN),
+    run_dir: Optional[Path] = _opt("--run-dir", "Run directory. [default: runs/NAME]", RUN),
+    ckpt_dir: Optional[Path] = _opt("--ckpt-dir", "Checkpoint directory. [default: RUN_DIR/checkpoints]", RUN),
+    precision: Optional[str] = _opt("--precision", "auto, fp32, tf32, bf16, fp16 or fp8. [default: auto]", POLICY),
+    save_every_steps: Optional[int] = _opt("--save-every-steps", "Save a snapshot every N steps.", POLICY),
+    save_every_seconds: Optional[str] = _opt("--save-every-seconds", "Save when this long passed since the last save (90, 15m).", POLICY),
+    async_save: Optional[bool] = typer.Option(None, "--async-save/--sync-save", help="Persist snapshots in the background (the step waits only for staging). [default: async]", rich_help_panel=POLICY, show_default=False),
+    save_overlap: Optional[str] = _opt("--save-overlap", "A save due while one is in flight: wait or skip. [default: wait]", POLICY),
+    keep_last: Optional[int] = _opt("--keep-last", "Verified snapshots kept besides milestones. [default: 3]", POLICY),
+    keep_every: Optional[int] = _opt("--keep-every", "Snapshots at multiples of M steps are kept forever.", POLICY),
+    seed: Optional[int] = _opt("--seed", "Base seed (rank r uses seed + r). [default: 0]", POLICY),
+    deterministic: Optional[bool] = typer.Option(None, "--deterministic/--no-deterministic", help="Deterministic algorithms (exact resume). [default: on]", rich_help_panel=POLICY, show_default=False),
+    threads: Optional[int] = _opt("--threads", "torch threads per rank.", POLICY),
+    allow_change: Optional[str] = _opt("--allow-change", "Comma-separated config keys that may change on resume.", POLICY),
+    inject_fault: Optional[str] = _opt("--inject-fault", "Fault spec for tests and demos, e.g. kill:rank=1:step=17 (see README).", POLICY),
+    max_restarts: Optional[int] = _opt("--max-restarts", "Restarts before giving up (exit 1). [default: 3]", SUPERVISION),
+    heartbeat_timeout: Optional[str] = _opt("--heartbeat-timeout", "A training rank silent this long is hung. [default: 300s]", SUPERVISION),
+    startup_timeout: Optional[str] = _opt("--startup-timeout", "Allowance for start-up and restore. [default: 600s]", SUPERVISION),
+    save_timeout: Optional[str] = _opt("--save-timeout", "Allowance for one snapshot save. [default: 900s]", SUPERVISION),
+    grace_period: Optional[str] = _opt("--grace-period", "Time to save and exit after a stop; SIGTERM→SIGKILL wait. [default: 60s]", SUPERVISION),
+    time_limit: Optional[str] = _opt("--time-limit", "Wall-clock budget (e.g. 3h50m → 13800): stop, saved, before it (exit 3).", SUPERVISION),
+    stop_signal: Optional[str] = _opt("--stop-signal", "Extra signal meaning 'save and stop' (e.g. SIGUSR1 for Slurm --signal).", SUPERVISION),
+    max_stalled_restarts: Optional[int] = _opt("--max-stalled-restarts", "Restarts in a row without a new snapshot before giving up (exit 4). [default: 2]", SUPERVISION),
+    restart_backoff: Optional[float] = _opt("--restart-backoff", "Seconds before the first restart; doubles each time. [default: 1]", SUPERVISION),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (run id, dir, exit code) on stdout."),
+) -> int:
+    """Launch SCRIPT [ARGS...] with torchrun under supervision: restart from the newest verified snapshot on a crash or hang.
+
+    \b
+    Without SCRIPT the embedded default job runs and ARGS go to it; `--` may separate ARGS.
+    Examples:
+      ckptrun launch --nproc-per-node 2 train.py --lr 3e-4
+      ckptrun launch --nproc-per-node 2 --save-every-steps 5 -- --steps 40
+    """
+    script, script_args = split_target(ctx.args)
+    flags = dict(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                 master_port=master_port, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, name=name,
+                 run_dir=run_dir, ckpt_dir=ckpt_dir, precision=precision, save_every_steps=save_every_steps,
+                 save_every_seconds=save_every_seconds, async_save=async_save, save_overlap=save_overlap, keep_last=keep_last, keep_every=keep_every, seed=seed,
+                 deterministic=deterministic, threads=threads, allow_changes=allow_change, inject_fault=inject_fault,
+                 max_restarts=max_restarts, max_stalled_restarts=max_stalled_restarts, heartbeat_timeout=heartbeat_timeout, startup_timeout=startup_timeout,
+                 save_timeout=save_timeout, grace_period=grace_period, time_limit=time_limit, stop_signal=stop_signal,
+                 restart_backoff=restart_backoff, script=script, script_args=script_args or None)
+    if standalone and master_port is not None:
+        raise CkptrunError("--standalone and --master-port contradict each other", "pass one of them")
+    return start_run(build_spec(flags, config), argv=sys.argv, as_json=as_json)
+
+
+@command
+def resume(
+    latest: bool = typer.Option(False, "--latest", help="From the newest verified snapshot of the run's lineage (the default)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="The run to continue. [default: the most recent under runs/]", show_default=False),
+    source: Optional[str] = typer.Option(None, "--from", metavar="STEP_OR_PATH", help="Resume from this snapshot instead; forks the lineage there.", show_default=False),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="Override the run's restart budget.", show_default=False),
+    time_limit: Optional[str] = typer.Option(None, "--time-limit", help="Wall-clock budget of this resume.", show_default=False),
+    allow_change: Optional[str] = typer.Option(None, "--allow-change", help="Config keys that may differ from the snapshot's.", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+) -> int:
+    """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec."""
+    if latest and source:
+        raise CkptrunError("--latest and --from contradict each other", "pass one of them")
+    overrides: dict[str, Any] = {"max_restarts": max_restarts, "allow_changes": allow_change}
+    if time_limit is not None:
+        overrides["time_limit"] = build_spec({"time_limit": time_limit}).time_limit
+    if allow_change is not None:
+        overrides["allow_changes"] = build_spec({"allow_changes": allow_change}).allow_changes
+    if max_restarts is not None:
+        build_spec({"max_restarts": max_restarts})
+    return resume_run(run_dir or latest_run(), source, overrides, argv=sys.argv, as_json=as_json)
+
+
+@command
+def stop(
+    run_dir: Optional[Path] = typer.Argument(None, metavar="[RUN_DIR]", help="The run to stop. [default: the most recent under runs/]", show_default=False),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the supervisor has saved and exited."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Longest wait in seconds."),
+) -> int:
+    """Ask a running launch to save a snapshot at the next step boundary and exit 3 (resumable)."""
+    run_dir = run_dir or latest_run()
+    paths = RunPaths(run_dir)
+    if not paths.run_json.exists():
+        raise CkptrunError(f"{run_dir} is not a ckptrun run directory", "pass the RUN_DIR that `ckptrun launch` printed")
+    who = holder(paths)
+    if who is None:
+        raise CkptrunError(f"no supervisor is running {run_dir}", f"nothing to stop; `ckptrun resume --latest --run-dir {run_dir}` continues it", EXIT_REFUSED)
+    paths.stop_file.touch()
+    print(f"ckptrun: asked supervisor pid {who['pid']} to stop {run_dir}: ranks save at the next step boundary", file=sys.stderr)
+    if not wait:
+        return EXIT_OK
+    return _wait_for_exit(int(who["pid"]), float(who["start_time"]), paths, timeout)
+
+
+def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid, start_time):
+            break
+        time.sleep(0.2)
+    else:
+        raise CkptrunError(f"supervisor pid {pid} has not exited after {timeout:g}s", "it is still saving or hung; "
+                           f"wait, or signal it twice (kill -TERM {pid}) to kill the ranks", EXIT_NO)
+    stopped = records.read_events(paths.root, "run_stopped")
+    step = stopped[-1].get("snapshot_step") if stopped else None
+    print(f"ckptrun: stopped; newest verified snapshot: step {step}", file=sys.stderr)
+    return EXIT_OK

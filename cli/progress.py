@@ -1,0 +1,76 @@
+"""One status line on stderr while a run trains: attempt, step, loss, samples/s, last snapshot, restarts.
+
+At most once a second on a terminal (redrawn in place), every ``plain_interval``
+seconds otherwise (a log file gets whole lines, not a flood). stdout stays
+free for data.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+
+@dataclass
+class Status:
+    attempt: int
+    restarts: int
+    step: int | None = None
+    total: int | None = None
+    loss: float | None = None
+    samples_per_s: float | None = None
+    snapshot_step: int | None = None
+
+    def line(self) -> str:
+        step = "-" if self.step is None else f"{self.step}" + (f"/{self.total}" if self.total else "")
+        parts = [f"attempt {self.attempt}", f"step {step}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.samples_per_s is not None:
+            parts.append(f"{self.samples_per_s:,.0f} samples/s")
+        parts.append(f"snapshot {'-' if self.snapshot_step is None else self.snapshot_step}")
+        parts.append(f"restarts {self.restarts}")
+        return "ckptrun: " + " | ".join(parts)
+
+
+class Progress:
+    """Rate-limited status line; :meth:`say` prints narration without garbling it."""
+
+    def __init__(self, stream: TextIO | None = None, interval: float = 1.0, plain_interval: float = 10.0,
+                 enabled: bool = True) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.interval = interval if self.tty else plain_interval
+        self.enabled = enabled
+        self.last_shown = 0.0
+        self.last_line = ""
+        self.drawn = False
+
+    def show(self, status: Status, force: bool = False) -> None:
+        now = time.monotonic()
+        line = status.line()
+        if not self.enabled or line == self.last_line or (not force and now - self.last_shown < self.interval):
+            return
+        self.last_shown, self.last_line = now, line
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+            self.drawn = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def say(self, text: str) -> None:
+        if self.drawn:
+            self.stream.write("\r\033[K")
+            self.drawn = False
+        self.stream.write(f"ckptrun: {text}\n")
+        self.stream.flush()
+        self.last_line = ""
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False

@@ -1,0 +1,280 @@
+"""Each part of the recovery estimate, with its value and where the value comes from.
+
+Preference, per component: this run's own history (what past restarts
+measured) over a measurement made now on this machine over a configured or
+assumed figure — and each :class:`~ckptrun.cli.rto_model.Component` says
+which, naming the assumption. :class:`Target` is what the command found at
+PATH: a run directory (records, maybe ``run.json``) or a bare checkpoint
+directory. Importable without torch; torch runs only in the probes' children.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptrun.cli import rto_history as hist
+from ckptrun.cli import rto_measure as measure
+from ckptrun.cli.durations import format_duration as fmt
+from ckptrun.cli.errors import EXIT_NO, CkptrunError
+from ckptrun.cli.rto_model import ASSUMED, CONFIGURED, ESTIMATED, HISTORY, MEASURED, UNKNOWN, Component, lost_work
+from ckptrun.runtime.manifest import Manifest
+
+if TYPE_CHECKING:
+    from ckptrun.cli.spec import LaunchSpec
+
+PROBE_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Target:
+    """What estimate-rto looks at: the snapshot a restart would restore, and the records around it."""
+
+    path: Path
+    kind: str  # "run" | "checkpoint"
+    ckpt_dir: Path
+    snapshot: Path
+    manifest: Manifest
+    run_dir: Path | None = None
+    run_id: str | None = None
+    spec: "LaunchSpec | None" = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    created: list[tuple[int, float]] = field(default_factory=list)  # (step, created) of the lineage's snapshots
+    older: list[tuple[Path, Manifest]] = field(default_factory=list)  # fallbacks, newest first
+
+    @property
+    def restarts(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == "restart"]
+
+    def setting(self, name: str) -> tuple[Any, str, str]:
+        """A launch setting: (value, source, words), from run.json or the launch default."""
+        from ckptrun.cli.spec import LaunchSpec
+
+        if self.spec is not None:
+            return getattr(self.spec, name), CONFIGURED, "run.json"
+        return LaunchSpec.model_fields[name].default, ASSUMED, "the launch default; no run.json"
+
+
+def say(line: str) -> None:
+    """Narration on stderr (stdout is the report)."""
+    sys.stderr.write(f"ckptrun: {line}\n")
+    sys.stderr.flush()
+
+
+# --- detect, teardown, backoff ------------------------------------------------------
+
+
+def detect(target: Target) -> Component:
+    from ckptrun.cli.policy import Timeouts
+    from ckptrun.cli.world import STACK_WAIT_S
+
+    poll = Timeouts().poll
+    timeout, source, where = target.setting("heartbeat_timeout")
+    hang = float(timeout) + poll + STACK_WAIT_S
+    hang_words = f"hang: heartbeat timeout {fmt(timeout)} ({where}) + stack dump, {fmt(hang)}"
+    facts = {"poll_s": poll, "heartbeat_timeout_s": float(timeout), "hang_s": hang}
+    crashes = [r for r in target.restarts if r.get("cause") in (None, "crash")]
+    value, count = hist.restart_figure(crashes, "detect_s")
+    if value is not None:
+        return Component("detect", value, HISTORY, f"crash: median of {count} past restart(s); {hang_words}", facts)
+    return Component("detect", poll, ASSUMED, f"crash: found within one supervisor poll ({fmt(poll)}); {hang_words}", facts)
+
+
+def teardown(target: Target, noop: measure.NoopTimes | None) -> Component:
+    grace, _, where = target.setting("grace_period")
+    value, count = hist.restart_figure(target.restarts, "teardown_s")
+    facts = {"bound_s": float(grace)}
+    if value is not None:
+        return Component("teardown", value, HISTORY,
+                         f"median of {count} past restart(s); bound: grace period {fmt(grace)}", facts)
+    if noop is not None:
+        return Component("teardown", noop.teardown_s, MEASURED,
+                         f"the supervisor's teardown of a no-op {noop.world}-rank torchrun tree; bound: grace period "
+                         f"{fmt(grace)} ({where})", facts)
+    return Component("teardown", float(grace), ASSUMED, f"the grace period ({where}) as a bound", facts)
+
+
+def backoff(target: Target) -> Component:
+    first, source, where = target.setting("restart_backoff")
+    cap, _, _ = target.setting("restart_backoff_cap")
+    return Component("backoff", float(first), source,
+                     f"the wait before the first restart ({where}); it doubles per restart up to {fmt(cap)}",
+                     {"cap_s": float(cap)})
+
+
+# --- verify ---------------------------------------------------------------------------
+
+
+def verify(target: Target) -> Component:
+    """Time the supervisor's choice: verify the newest snapshot, falling back to older ones that verify.
+
+    A fallback moves ``target.snapshot`` to the snapshot a restart would really restore.
+    """
+    from ckptrun.cli.verify import human_bytes
+
+    timing = measure.time_verify(target.snapshot, target.manifest)
+    spent, skipped = timing.seconds, []
+    for path, manifest in target.older if timing.status not in (None, "ok") else []:
+        skipped.append(f"{target.snapshot.name} is {timing.status}")
+        target.snapshot, target.manifest = path, manifest
+        timing = measure.time_verify(path, manifest)
+        spent += timing.seconds
+        if timing.status in (None, "ok"):
+            break
+    if timing.status not in (None, "ok"):
+        raise CkptrunError(f"no snapshot of the current lineage in {target.ckpt_dir} verifies: a failure now restarts "
+                           "from the beginning", f"see `ckptrun verify {target.ckpt_dir}`", EXIT_NO)
+    algorithms = ",".join(sorted({e.algorithm for e in target.manifest.files}))
+    how = (f"{human_bytes(timing.bytes)} in {timing.files} files, {algorithms} at {timing.throughput / 1e6:,.0f} MB/s "
+           f"({timing.threads} threads), {measure.cache_words(timing.resident)}")
+    if timing.status is None:
+        how += f"; sampled {human_bytes(timing.sampled_bytes)} and extrapolated"
+    if skipped:
+        how = (f"WARNING: {'; '.join(skipped)}: a restart falls back to {target.snapshot.name} "
+               f"(see `ckptrun verify {target.ckpt_dir}`); then " + how)
+    past, count = hist.restart_figure(target.restarts, "verify_s")
+    if past is not None:
+        how += f"; past restarts: median {fmt(past)} over {count}"
+    facts = {"bytes": timing.bytes, "throughput_bytes_per_s": timing.throughput, "page_cache_resident": timing.resident,
+             "sampled": timing.status is None, "skipped": skipped}
+    return Component("verify", spent, MEASURED, how, facts)
+
+
+# --- restart ------------------------------------------------------------------------------
+
+
+def first_step(target: Target) -> tuple[float, str]:
+    """Seconds from restore to the end of the first step after it, and how that is known."""
+    value, count = hist.restart_figure(target.restarts, "first_step_s")
+    if value is None:
+        value, count = hist.first_step_after_restore(target.events, target.metrics)
+    if value is not None:
+        return value, f"first step after a restore {fmt(value)} (history, {count})"
+    step = hist.step_time(target.metrics)
+    if step is not None:
+        return step, f"first step ≈ one step {fmt(step)} (history; assumed: no slower than the others)"
+    return 0.0, "first step not included (no step records)"
+
+
+def setup_and_first_step(target: Target) -> tuple[float, str]:
+    """Seconds from ``init()`` to the end of the first step: the script's own set-up plus one step."""
+    value, count = hist.setup_and_first_step(target.events, target.metrics)
+    if value is not None:
+        return value, f"set-up and first step {fmt(value)} (history, {count} attempt(s))"
+    step = hist.step_time(target.metrics)
+    if step is not None:
+        return step, f"first step ≈ one step {fmt(step)} (history; the script's set-up not included)"
+    return 0.0, "the script's set-up and first step not included (no step records)"
+
+
+def restart(target: Target, probe: bool, world: int, noop: measure.NoopTimes | None) -> Component:
+    """History first; an explicit ``--probe`` measures anyway (history then shows beside it)."""
+    value, count = hist.restart_figure(target.restarts, "relaunch_to_first_step_s")
+    if probe:
+        probed = _probed(target, world)
+        if value is not None:
+            probed.detail += f"; past restarts: median {fmt(value)} over {count}"
+        return probed
+    if value is not None:
+        medians = {name: hist.restart_figure(target.restarts, f"{name}_s")[0] for name in ("startup", "restore", "first_step")}
+        parts = ", ".join(f"{name} {fmt(seconds)}" for name, seconds in medians.items() if seconds is not None)
+        return Component("restart", value, HISTORY, f"relaunch to first step, median of {count} past restart(s)"
+                         + (f" ({parts})" if parts else ""))
+    return _estimated(target, noop)
+
+
+def _probed(target: Target, world: int) -> Component:
+    if target.spec is not None:
+        say(f"probe: running the run's script on {world} rank(s) to restore {target.snapshot.name} (then it stops)")
+        attempts = [int(e.get("attempt", 0)) for e in target.events if e.get("event") == "attempt_start"]
+        times = measure.probe_run(target.spec, target.run_id or "run", target.snapshot, world, max(attempts, default=1) + 1,
+                                  PROBE_TIMEOUT_S)
+        step, step_words = first_step(target)
+        how = (f"{times.detail}: start-up and restore {fmt(times.seconds)} (restore alone {fmt(times.restore_s)}) "
+               f"+ {step_words}")
+    else:
+        say(f"probe: loading {target.snapshot.name} in {world} process(es), no user code")
+        times = measure.probe_checkpoint(target.snapshot, world, PROBE_TIMEOUT_S)
+        step, step_words = first_step(target)
+        why = "no run.json to re-run the script from, so " if target.kind == "run" else ""
+        how = f"{times.detail}; {step_words}; {why}process-group init and the script's set-up not included (no user code)"
+    return Component("restart", times.seconds + step, MEASURED, how,
+                     {"probe_s": times.seconds, "restore_s": times.restore_s, "world_size": times.world})
+
+
+def _estimated(target: Target, noop: measure.NoopTimes | None) -> Component:
+    bandwidth, read, resident = measure.read_bandwidth(target.snapshot, target.manifest)
+    restore = target.manifest.total_bytes / bandwidth
+    step, step_words = setup_and_first_step(target) if target.kind == "run" else first_step(target)
+    launch = noop.launch_s if noop is not None else 0.0
+    how = (f"no-op {noop.world}-rank launch to process group {fmt(launch)} (measured) + " if noop else "") + (
+        f"restore {fmt(restore)} (bytes at {bandwidth / 1e9:.2f} GB/s read, {measure.cache_words(resident)}) "
+        f"+ {step_words}; "
+        "--probe measures it for real")
+    return Component("restart", launch + restore + step, ESTIMATED, how,
+                     {"launch_s": launch, "restore_s": restore, "read_bytes_per_s": bandwidth, "first_step_s": step})
+
+
+# --- lost work ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """τ, δ, w and the step time, each with where it came from."""
+
+    interval_s: float | None
+    interval_steps: float | None
+    stall_s: float
+    persist_s: float
+    mode: str
+    step_s: float | None
+    source: str
+    words: str
+
+
+def cadence(target: Target) -> Cadence:
+    step = hist.step_time(target.metrics)
+    if target.kind == "checkpoint":
+        seconds, steps = hist.manifest_cadence(target.created)
+        source = HISTORY if seconds is not None else UNKNOWN
+        per_step = seconds / steps if seconds is not None and steps else None
+        return Cadence(seconds, steps, 0.0, 0.0, "sync", per_step, source,
+                       "τ from the snapshots' creation times (includes each save; assumed δ = 0, no save records)"
+                       if seconds is not None else "one snapshot only: the save interval is unknown")
+    facts = hist.save_facts(target.events)
+    stall, persist = facts.stall_s or 0.0, facts.persist_s
+    stall_words = (f"δ {fmt(stall)} ({facts.mode} saves, median of {facts.saves})" if facts.stall_s is not None
+                   else "δ assumed 0 (no save records)")
+    if facts.interval_s is not None:
+        return Cadence(facts.interval_s, facts.interval_steps, stall, persist, facts.mode, step, HISTORY,
+                       f"τ from {facts.intervals} interval(s) between saves, {stall_words}")
+    every_s, source, where = target.setting("save_every_seconds")
+    every_steps, _, _ = target.setting("save_every_steps")
+    if every_s is not None:
+        return Cadence(float(every_s), every_s / step if step else None, stall, persist, facts.mode, step, source,
+                       f"τ = --save-every-seconds ({where}), {stall_words}")
+    if every_steps is not None and step is not None:
+        return Cadence(every_steps * step, float(every_steps), stall, persist, facts.mode, step, ESTIMATED,
+                       f"τ = --save-every-steps {every_steps} × step {fmt(step)}, {stall_words}")
+    return Cadence(None, None, stall, persist, facts.mode, step, UNKNOWN, "fewer than two saves and no cadence known")
+
+
+def lost(target: Target, pace: Cadence) -> Component:
+    facts = {"interval_s": pace.interval_s, "interval_steps": pace.interval_steps, "stall_s": pace.stall_s,
+             "persist_s": pace.persist_s, "save_mode": pace.mode, "step_s": pace.step_s}
+    past, count = hist.restart_figure(target.restarts, "lost_steps")
+    if pace.interval_s is None:
+        unknown = {"worst_s": None, "steps": None, "worst_steps": None}
+        return Component("lost_work", None, UNKNOWN, pace.words, {**facts, **unknown})
+    expected, worst = lost_work(pace.interval_s, pace.persist_s)
+    steps = (expected / pace.step_s, worst / pace.step_s) if pace.step_s else (None, None)
+    how = f"τ/2 + w with τ {fmt(pace.interval_s)}, w {fmt(pace.persist_s)}: {pace.words}; worst τ + w = {fmt(worst)}"
+    if steps[0] is not None:
+        how += f"; ≈ {steps[0]:.1f} steps (worst {steps[1]:.1f})"
+    if past is not None:
+        how += f"; past restarts lost {past:g} steps (median of {count})"
+    return Component("lost_work", expected, pace.source, how,
+                     {**facts, "worst_s": worst, "steps": steps[0], "worst_steps": steps[1]})

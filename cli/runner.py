@@ -1,0 +1,190 @@
+"""What ``launch`` and ``resume`` share: prepare the run directory, hold its lock, supervise, report.
+
+``start_run`` creates a new run (refusing a run dir or checkpoint dir that is
+already used), ``resume_run`` continues one from a verified snapshot, and both
+end in :func:`supervise_run`, which owns the signal handlers, the stop file's
+lifetime and the final report. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import uuid
+from importlib.resources import files
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, CkptrunError
+from ckptrun.cli.policy import RestartPolicy, Timeouts
+from ckptrun.cli.progress import Progress
+from ckptrun.cli.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, unique_run_dir
+from ckptrun.cli.spec import LaunchSpec, RunRecord, read_run_record, write_run_record
+from ckptrun.cli.supervisor import Outcome, Snapshot, StopControl, Supervisor
+from ckptrun.cli.world import LocalWorld
+from ckptrun.runtime import records
+from ckptrun.runtime.manifest import ManifestError, read_manifest
+from ckptrun.runtime.store import fork, list_entries, snapshot_name
+from ckptrun.runtime.verify import newest_verified, verify_snapshot
+
+
+def default_job() -> Path:
+    """The embedded default training script (``ckptrun.templates.default_job``)."""
+    return Path(str(files("ckptrun.templates").joinpath("default_job.py")))
+
+
+def ckpt_dir_of(spec: LaunchSpec, run_dir: Path) -> Path:
+    return spec.ckpt_dir if spec.ckpt_dir is not None else run_dir / "checkpoints"
+
+
+# --- launch ---------------------------------------------------------------------
+
+
+def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False) -> int:
+    """``ckptrun launch``: a new run directory, then supervision from attempt 1."""
+    if spec.script is not None:
+        if not spec.script.is_file():
+            raise CkptrunError(f"training script {spec.script} does not exist", "check the path (or omit SCRIPT to run the embedded default job)")
+        spec.script = spec.script.resolve()
+    name = spec.name or default_name(spec.script)
+    run_dir = spec.run_dir or unique_run_dir(RUNS_ROOT, name)
+    paths = RunPaths(run_dir)
+    with RunLock(paths) as lock:
+        ckpt_dir = ckpt_dir_of(spec, run_dir)
+        _refuse_used(paths, ckpt_dir)
+        spec.run_dir, spec.ckpt_dir = run_dir.resolve(), ckpt_dir.resolve()
+        record = RunRecord(run_id=f"{name}-{uuid.uuid4().hex[:6]}", argv=argv, spec=spec)
+        write_run_record(run_dir, record)
+        records.log_event(run_dir, "launch", run_id=record.run_id, argv=argv, spec=spec.model_dump(mode="json"))
+        _took_over(lock)
+        return supervise_run(record, paths, first_attempt=1, resume=None, as_json=as_json)
+
+
+def _refuse_used(paths: RunPaths, ckpt_dir: Path) -> None:
+    hint = "continue it with `ckptrun resume --latest --run-dir RUN_DIR`, or start a new run with another --name"
+    if any(e.kind in ("published", "abandoned") for e in list_entries(ckpt_dir)):
+        raise CkptrunError(f"checkpoint directory {ckpt_dir} already holds snapshots", hint.replace("RUN_DIR", str(paths.root)))
+    if paths.run_json.exists():
+        raise CkptrunError(f"{paths.root} already holds a run", hint.replace("RUN_DIR", str(paths.root)))
+
+
+def _took_over(lock: RunLock) -> None:
+    if lock.took_over:
+        print(f"ckptrun: note: took over the lock of supervisor pid {lock.took_over.get('pid')}, which is gone",
+              file=sys.stderr)
+
+
+# --- resume ---------------------------------------------------------------------
+
+
+def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], argv: list[str], as_json: bool = False) -> int:
+    """``ckptrun resume``: the run's own spec, from its newest verified snapshot or ``source``."""
+    paths = RunPaths(run_dir)
+    record = read_run_record(run_dir)
+    with RunLock(paths) as lock:
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(record.spec, key, value)
+        write_run_record(run_dir, record)
+        ckpt_dir = ckpt_dir_of(record.spec, run_dir)
+        snapshot = _from_source(ckpt_dir, source) if source else _newest(ckpt_dir)
+        first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(run_dir, "attempt_start")), default=0)
+        records.log_event(run_dir, "resume", attempt=first, snapshot=str(snapshot.path), snapshot_step=snapshot.step,
+                          argv=argv, forked=bool(source))
+        _took_over(lock)
+        return supervise_run(record, paths, first_attempt=first, resume=snapshot, as_json=as_json)
+
+
+def _newest(ckpt_dir: Path) -> Snapshot:
+    started = time.monotonic()
+    report = newest_verified(ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+    if report is None:
+        raise CkptrunError(f"no verified snapshot in {ckpt_dir}",
+                           "there is nothing to resume from: launch the run again (`ckptrun launch ...` with a new --name)")
+    return Snapshot(report.path, report.step, time.monotonic() - started)
+
+
+def _from_source(ckpt_dir: Path, source: str) -> Snapshot:
+    """``--from STEP_OR_PATH``: verify that snapshot and fork the lineage there (unless it is the newest)."""
+    path = ckpt_dir / snapshot_name(int(source)) if source.isdigit() else Path(source)
+    started = time.monotonic()
+    report = verify_snapshot(path)
+    if not report.ok:
+        problem = "; ".join(report.problems[:2]) or report.status
+        raise CkptrunError(f"snapshot {path} cannot be resumed from: {problem}",
+                           "pick another with --from (see `ckptrun verify CKPT_DIR`), or use --latest")
+    newest = newest_verified(ckpt_dir)
+    if newest is None or newest.path.resolve() != path.resolve():
+        lineage = fork(ckpt_dir, path)
+        print(f"ckptrun: forked a new lineage {lineage.current} at {path.name}; newer snapshots are kept under "
+              f"{ckpt_dir / 'abandoned'}", file=sys.stderr)
+    try:
+        step = read_manifest(path).step
+    except ManifestError as exc:
+        raise CkptrunError(f"snapshot {path}: {exc}", "pick another with --from") from None
+    return Snapshot(path, step, time.monotonic() - started)
+
+
+# --- supervision ------------------------------------------------------------------
+
+
+def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume: Snapshot | None,
+                  as_json: bool = False) -> int:
+    """Run the supervisor with signal handlers installed; report its outcome; clean the stop channel."""
+    spec = record.spec
+    progress = Progress()
+    target = [str(spec.script or default_job()), *spec.script_args]
+    world = LocalWorld(spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress)
+    stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
+    policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
+    timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)
+    supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume)
+    paths.stop_file.unlink(missing_ok=True)
+    progress.say(f"run {record.run_id} in {paths.root} (logs: {paths.logs})")
+    with _stop_signals(stop, spec.stop_signal):
+        try:
+            outcome = supervisor.supervise()
+        finally:
+            world.close()  # no orphans, even when the supervisor itself fails
+            paths.stop_file.unlink(missing_ok=True)
+            progress.close()
+    return _report(outcome, record, paths, progress, as_json)
+
+
+def _report(outcome: Outcome, record: RunRecord, paths: RunPaths, progress: Progress, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"run_id": record.run_id, "run_dir": str(paths.root), "exit_code": outcome.code,
+                          "message": outcome.message, "hint": outcome.hint, "attempts": outcome.attempts,
+                          "restarts": outcome.restarts}))
+    if outcome.code in (EXIT_OK, EXIT_STOPPED):
+        progress.say(outcome.message)
+        if outcome.hint:
+            progress.say(outcome.hint.replace("--latest", f"--latest --run-dir {paths.root}"))
+        return outcome.code
+    raise CkptrunError(outcome.message, outcome.hint, outcome.code)
+
+
+class _stop_signals:
+    """SIGINT, SIGTERM and the configured stop signal ask for a stop; a second one forces it."""
+
+    def __init__(self, stop: StopControl, extra: str | None) -> None:
+        self.stop = stop
+        self.signals = [signal.SIGINT, signal.SIGTERM] + ([signal.Signals[extra]] if extra else [])
+        self.previous: dict[signal.Signals, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.stop.signals += 1
+        self.stop.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> "_stop_signals":
+        for sig in self.signals:
+            self.previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+

@@ -1,0 +1,222 @@
+"""The launch spec: everything ``ckptrun launch`` was asked to run, saved as ``RUN_DIR/run.json``.
+
+One pydantic model, one docstring per field, validation in one place. It is
+built from ``--config FILE`` (TOML) overlaid by the flags a person actually
+typed, and ``ckptrun resume`` re-runs exactly what ``run.json`` holds. A bad
+value becomes one line that names the flag, the value and the fix
+(:func:`build_spec` raises :class:`~ckptrun.cli.errors.CkptrunError`, exit 2).
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
+from ckptrun.runtime.faults import FaultSpecError, parse_faults
+
+RUN_JSON = "run.json"
+DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(s|m|h|d)?\s*$")
+UNITS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: Any) -> Any:
+    """``90``, ``"90s"``, ``"15m"``, ``"2h"`` → seconds (other types pass through to validation)."""
+    if isinstance(value, str):
+        match = DURATION_RE.match(value)
+        if not match:
+            raise ValueError(f"{value!r} is not a duration; use seconds or a number with s, m, h or d (e.g. 90, 15m, 2h)")
+        return float(match.group(1)) * UNITS[match.group(2)]
+    return value
+
+
+class LaunchSpec(BaseModel):
+    """What to run, on how many ranks, under which checkpoint and supervision policy."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- what runs ---
+    script: Path | None = Field(None, description="Training script; None runs the embedded default job.")
+    script_args: list[str] = Field(default_factory=list, description="Arguments passed to the script.")
+    # --- torchrun (same names as torchrun's flags) ---
+    nproc_per_node: str = Field("1", description="Ranks on this node: a number, or auto/cpu/gpu as torchrun takes it.")
+    nnodes: str = Field("1", description="Nodes (MIN[:MAX]); more than one is refused until multi-node supervision exists.")
+    node_rank: int = Field(0, ge=0, description="This node's rank (0 on one node).")
+    master_addr: str | None = Field(None, description="Rendezvous address (default: a fresh local one per attempt).")
+    master_port: int | None = Field(None, ge=1, le=65535, description="Fixed rendezvous port (default: a fresh free port per attempt).")
+    rdzv_backend: str | None = Field(None, description="torchrun rendezvous backend (one node only for now).")
+    rdzv_endpoint: str | None = Field(None, description="torchrun rendezvous endpoint.")
+    # --- the run directory ---
+    name: str | None = Field(None, description="Run name; default SCRIPT-STEM-YYYYmmdd-HHMMSS.")
+    run_dir: Path | None = Field(None, description="Run directory; default runs/NAME.")
+    ckpt_dir: Path | None = Field(None, description="Checkpoint directory; default RUN_DIR/checkpoints.")
+    # --- what every worker is told (contract C1) ---
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"] = Field("auto", description="Precision policy.")
+    save_every_steps: int | None = Field(None, ge=1, description="Save a snapshot every N optimizer steps.")
+    save_every_seconds: float | None = Field(None, gt=0, description="Save when this long passed since the last save.")
+    keep_last: int = Field(3, ge=1, description="Verified snapshots kept besides milestones.")
+    keep_every: int | None = Field(None, ge=1, description="Snapshots at multiples of M steps are kept forever.")
+    async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
+    save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")
+    max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that end the run (exit 1).")
+    seed: int = Field(0, description="Base seed; rank r uses seed + r.")
+    deterministic: bool = Field(True, description="Deterministic algorithms and fixed seeds (exact resume).")
+    threads: int | None = Field(None, ge=1, description="torch threads per worker.")
+    hash_algorithm: Literal["sha256", "blake3"] = Field("sha256", description="Digest of every snapshot file.")
+    allow_changes: list[str] = Field(default_factory=list, description="Config keys allowed to differ on resume.")
+    inject_fault: str | None = Field(None, description="Fault injection spec (tests, demos): see README.")
+    # --- supervision ---
+    max_restarts: int = Field(3, ge=0, description="Restarts after failures before giving up (exit 1).")
+    max_stalled_restarts: int = Field(2, ge=1, description="Restarts in a row that bring no new snapshot before giving up (exit 4).")
+    restart_backoff: float = Field(1.0, ge=0, description="Seconds before the first restart; doubles per restart.")
+    restart_backoff_cap: float = Field(60.0, ge=0, description="Longest wait between restarts.")
+    heartbeat_timeout: float = Field(300.0, gt=0, description="A training rank silent this long is hung.")
+    startup_timeout: float = Field(600.0, gt=0, description="Allowance for start-up and restore (phases init/restore).")
+    save_timeout: float = Field(900.0, gt=0, description="Allowance for one snapshot save (phase save).")
+    grace_period: float = Field(60.0, gt=0, description="Time to save and exit after a stop request, and SIGTERM→SIGKILL wait.")
+    time_limit: float | None = Field(None, gt=0, description="Wall-clock budget: a stop is asked grace-period seconds before it.")
+    stop_signal: str | None = Field(None, description="Extra signal that means 'save and stop' (e.g. SIGUSR1 for Slurm).")
+
+    _durations = field_validator("time_limit", "grace_period", "heartbeat_timeout", "startup_timeout",
+                                 "save_timeout", "save_every_seconds", mode="before")(parse_duration)
+
+    @field_validator("nproc_per_node", "nnodes", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) else value
+
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _nproc(cls, value: str) -> str:
+        if value in ("auto", "cpu", "gpu") or (value.isdigit() and int(value) >= 1):
+            return value
+        raise ValueError("must be a number of ranks >= 1, or auto, cpu or gpu")
+
+    @field_validator("nnodes")
+    @classmethod
+    def _one_node(cls, value: str) -> str:
+        parts = value.split(":")
+        if not all(p.isdigit() for p in parts) or len(parts) > 2:
+            raise ValueError("must be N or MIN:MAX")
+        if max(int(p) for p in parts) > 1:
+            raise ValueError("more than one node is not supported yet (multi-node supervision is a later issue); run on one node")
+        return value
+
+    @field_validator("stop_signal")
+    @classmethod
+    def _signal(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = value.upper() if value.upper().startswith("SIG") else "SIG" + value.upper()
+        if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP", "SIGUSR2"):
+            raise ValueError("must be a catchable signal name such as SIGUSR1 (SIGUSR2 is reserved for stack dumps)")
+        return name
+
+    @field_validator("inject_fault")
+    @classmethod
+    def _fault(cls, value: str | None) -> str | None:
+        try:
+            parse_faults(value)
+        except FaultSpecError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("allow_changes", mode="before")
+    @classmethod
+    def _csv(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    # --- derived ---
+
+    @property
+    def local_ranks(self) -> int | None:
+        """Ranks per node when given as a number (auto/cpu/gpu are learnt from the workers)."""
+        return int(self.nproc_per_node) if self.nproc_per_node.isdigit() else None
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often workers beat: often enough that a few missed beats are not yet a hang."""
+        return min(1.0, self.heartbeat_timeout / 5)
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _one_line(exc: ValidationError, source: dict[str, Any], config: Path | None, from_file: set[str]) -> CkptrunError:
+    first = exc.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else ""
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        where = f"{config}: unknown key {field!r}" if config else f"unknown option {flag_name(field)}"
+        return CkptrunError(where, f"known keys: {', '.join(LaunchSpec.model_fields)}")
+    value = source.get(field)
+    where = f"{config}: {field} = {value!r}" if field in from_file and config else f"{flag_name(field)} {value}"
+    return CkptrunError(f"{where}: {message}", f"fix {flag_name(field)} (see `ckptrun launch --help`)")
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A TOML config's keys, with ``-`` spelled as ``_`` (``heartbeat-timeout`` = ``heartbeat_timeout``)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise CkptrunError(f"config file {path} does not exist", "pass an existing TOML file to --config") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CkptrunError(f"config file {path} is not valid TOML: {exc}", "fix the file's syntax") from None
+    data = {key.replace("-", "_"): value for key, value in data.items()}
+    if "args" in data and "script_args" not in data:
+        data["script_args"] = data.pop("args")
+    return data
+
+
+def build_spec(flags: dict[str, Any], config: Path | None = None) -> LaunchSpec:
+    """The spec from a config file overlaid by the flags that were given (``None`` means not given)."""
+    from_file = read_config(config) if config else {}
+    given = {key: value for key, value in flags.items() if value is not None}
+    merged = {**from_file, **given}
+    try:
+        return LaunchSpec.model_validate(merged)
+    except ValidationError as exc:
+        raise _one_line(exc, merged, config, set(from_file) - set(given)) from None
+
+
+# --- run.json -------------------------------------------------------------------
+
+
+class RunRecord(BaseModel):
+    """``run.json``: the run's identity and the spec that ``resume`` re-runs."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = 1
+    run_id: str
+    created: float = Field(default_factory=time.time)
+    argv: list[str] = Field(default_factory=list, description="The command line that created the run.")
+    spec: LaunchSpec
+
+
+def write_run_record(run_dir: Path, record: RunRecord) -> None:
+    tmp = run_dir / f".{RUN_JSON}.tmp"
+    tmp.write_text(record.model_dump_json(indent=1))
+    tmp.replace(run_dir / RUN_JSON)
+
+
+def read_run_record(run_dir: Path) -> RunRecord:
+    path = run_dir / RUN_JSON
+    try:
+        return RunRecord.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise CkptrunError(f"{run_dir} is not a ckptrun run directory (no {RUN_JSON})",
+                           "pass --run-dir RUN_DIR of a run made by `ckptrun launch`", EXIT_REFUSED) from None
+    except (ValidationError, json.JSONDecodeError) as exc:
+        raise CkptrunError(f"{path} is unreadable: {str(exc).splitlines()[0]}",
+                           "restore run.json, or start a new run with `ckptrun launch`", EXIT_REFUSED) from None

@@ -1,0 +1,401 @@
+"""The supervisor: an explicit state machine that runs attempts and decides what follows each one.
+
+Per attempt: STARTING → HEALTHY (first optimizer step seen) → SUCCEEDED,
+FAILED (a rank crashed), STALLED (ranks stopped beating: a hang) or, after a
+stop request, STOPPING → STOPPED. After FAILED/STALLED the restart policy
+says restart (from the newest snapshot the world verified) or give up with
+an exit code (design §4). There is exactly one restart counter; torchrun runs
+with ``--max-restarts 0``.
+
+Everything the supervisor observes or does goes through a :class:`World`
+(launch, observe, tear down, verify, the clock, sleeping), so unit tests
+script the observations and run without processes or sleeps. The real world
+is :class:`ckptrun.cli.world.LocalWorld`. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_STOPPED
+from ckptrun.cli.failures import RankFailure, describe_failure, root_cause
+from ckptrun.cli.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect, stale_ranks,
+                                waiting_on_peers)
+from ckptrun.runtime.records import Heartbeat
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    STALLED = "stalled"
+    FAILED = "failed"
+    SUCCEEDED = "succeeded"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank as seen in one poll: is its process alive, and its heartbeat of this attempt."""
+
+    alive: bool
+    beat: Heartbeat | None = None
+
+
+@dataclass
+class Observation:
+    """What one poll of the world sees."""
+
+    time: float
+    ranks: dict[int, RankView] = field(default_factory=dict)
+    agent_exit: int | None = None  # torchrun's exit code once it ended
+    first_step_time: float | None = None  # wall time of this attempt's first metrics record
+    last_step: int | None = None  # newest step in this attempt's metrics
+    last_step_time: float | None = None
+    stop_file: bool = False  # RUN_DIR/stop exists (e.g. `ckptrun stop`)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot the world verified, and how long verifying took."""
+
+    path: Path
+    step: int
+    verify_s: float = 0.0
+
+
+class World(Protocol):
+    """The supervisor's inputs and effects (see :class:`ckptrun.cli.world.LocalWorld`)."""
+
+    def now(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+    def launch(self, attempt: int, resume_from: Path | None) -> None: ...
+    def observe(self) -> Observation: ...
+    def failures(self) -> tuple[list[RankFailure], str | None]: ...
+    def fatal_records(self) -> list[dict[str, Any]]: ...
+    def attempt_events(self, name: str) -> list[dict[str, Any]]: ...
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]: ...
+    def teardown(self) -> float: ...
+    def newest_snapshot(self) -> Snapshot | None: ...
+    def request_stop(self) -> None: ...
+    def stop_file_present(self) -> bool: ...
+    def event(self, name: str, **fields: Any) -> None: ...
+    def say(self, line: str) -> None: ...
+    def show_progress(self, attempt: int, restarts: int, observation: Observation) -> None: ...
+
+
+@dataclass
+class StopControl:
+    """Stop requests from outside the loop: signals (set by handlers) and the time limit."""
+
+    signals: int = 0
+    signal_name: str | None = None
+    stop_at: float | None = None  # wall time at which to ask for a stop (time limit minus grace)
+
+    def reason(self, now: float, stop_file: bool) -> str | None:
+        if self.signals:
+            return f"signal {self.signal_name or ''}".strip()
+        if self.stop_at is not None and now >= self.stop_at:
+            return "time limit"
+        return "stop requested (RUN_DIR/stop)" if stop_file else None
+
+    @property
+    def forced(self) -> bool:
+        return self.signals >= 2
+
+
+@dataclass
+class Outcome:
+    """How supervise() ended: the exit code and what to tell a person."""
+
+    code: int
+    message: str
+    hint: str | None = None
+    attempts: int = 0
+    restarts: int = 0
+
+
+@dataclass
+class AttemptWatch:
+    """The mutable facts of the attempt being watched."""
+
+    attempt: int
+    launched: float
+    resume: Snapshot | None
+    state: State = State.STARTING
+    gone_at: float | None = None  # first poll that saw a rank process gone
+    beats: dict[int, Heartbeat] = field(default_factory=dict)
+    first_step_time: float | None = None
+    last_step: int | None = None
+    last_step_time: float | None = None
+    kill_deadline: float | None = None
+    failure: dict[str, Any] | None = None
+    detected_at: float | None = None
+    teardown_s: float = 0.0
+    forced: bool = False
+
+
+class Supervisor:
+    """Runs attempts until the job succeeds, stops, or the policy gives up."""
+
+    def __init__(self, world: World, policy: RestartPolicy, timeouts: Timeouts, stop: StopControl,
+                 first_attempt: int = 1, resume: Snapshot | None = None) -> None:
+        self.world, self.policy, self.timeouts, self.stop = world, policy, timeouts, stop
+        self.first_attempt, self.resume = first_attempt, resume
+        self.restarts = 0  # the one restart counter
+        self.stalled_restarts = 0
+        self.runtime_seen = False
+        self.plain_notice_given = False
+        self.pending_restart: dict[str, Any] | None = None
+
+    # --- the loop -------------------------------------------------------------
+
+    def supervise(self) -> Outcome:
+        attempt, resume = self.first_attempt, self.resume
+        while True:
+            watch = self.run_attempt(attempt, resume)
+            if watch.state is State.SUCCEEDED:
+                return self._done(watch)
+            if watch.state is State.STOPPED:
+                return self._stopped(watch)
+            verdict = self.policy.verdict(self._facts(watch))
+            if isinstance(verdict, GiveUp):
+                return self._give_up(watch, verdict)
+            snapshot = self._prepare_restart(watch, verdict)
+            if snapshot is False:
+                return self._stopped(watch)
+            attempt, resume = attempt + 1, snapshot or None
+
+    def run_attempt(self, attempt: int, resume: Snapshot | None) -> AttemptWatch:
+        watch = AttemptWatch(attempt, self.world.now(), resume)
+        self.world.launch(attempt, resume.path if resume else None)
+        self.world.event("attempt_start", attempt=attempt, restarts=self.restarts,
+                         resume_from=str(resume.path) if resume else None, snapshot_step=resume.step if resume else None)
+        while True:
+            observation = self.world.observe()
+            self.world.show_progress(attempt, self.restarts, observation)
+            if self.step(watch, observation):
+                self._log_pending_restart(watch)
+                return watch
+            self.world.sleep(self.timeouts.poll)
+
+    def step(self, watch: AttemptWatch, obs: Observation) -> bool:
+        """Advance the state machine by one observation; True when the attempt is over."""
+        self._note(watch, obs)
+        if watch.state is not State.STOPPING:
+            reason = self.stop.reason(obs.time, obs.stop_file)
+            if reason:
+                self._begin_stop(watch, reason, obs.time)
+        if obs.agent_exit is not None:
+            self._ended(watch, obs)
+            return True
+        if watch.state is State.STOPPING:
+            if self.stop.forced or obs.time >= (watch.kill_deadline or obs.time):
+                self._force_stop(watch, obs)
+                return True
+            return False
+        stale = stale_ranks(obs, watch.beats, watch.launched, self.timeouts, self.runtime_seen)
+        if stale:
+            self._stalled(watch, obs, stale)
+            return True
+        if obs.time - watch.launched > self.timeouts.startup and not self.runtime_seen:
+            self._plain_script_notice()
+        return False
+
+    # --- observations -----------------------------------------------------------
+
+    def _note(self, watch: AttemptWatch, obs: Observation) -> None:
+        for rank, view in obs.ranks.items():
+            if view.beat is not None:
+                watch.beats[rank] = view.beat
+                self.runtime_seen = True
+            if not view.alive and watch.gone_at is None:
+                watch.gone_at = obs.time
+        if obs.last_step is not None:
+            watch.last_step, watch.last_step_time = obs.last_step, obs.last_step_time
+        if obs.first_step_time is not None and watch.first_step_time is None:
+            watch.first_step_time = obs.first_step_time
+            if watch.state is State.STARTING:
+                watch.state = State.HEALTHY
+            self._log_pending_restart(watch)
+
+    def _plain_script_notice(self) -> None:
+        if not self.plain_notice_given:
+            self.plain_notice_given = True
+            self.world.say("note: no rank wrote a heartbeat: this script does not use ckptrun.runtime. "
+                           "Crashes will restart it (it resumes from its own files), but hang detection "
+                           "and verified snapshots need the runtime (`import ckptrun.runtime`).")
+
+    # --- endings ----------------------------------------------------------------
+
+    def _begin_stop(self, watch: AttemptWatch, reason: str, now: float) -> None:
+        self.world.request_stop()
+        watch.state, watch.kill_deadline = State.STOPPING, now + self.timeouts.grace
+        self.world.event("stop_requested", attempt=watch.attempt, reason=reason, grace_s=self.timeouts.grace)
+        self.world.say(f"stopping ({reason}): the ranks save a snapshot at the next step boundary and exit")
+
+    def _force_stop(self, watch: AttemptWatch, obs: Observation) -> None:
+        why = "a second signal" if self.stop.forced else f"the grace period ({self.timeouts.grace:g}s) ran out"
+        self.world.say(f"{why}: killing the ranks")
+        watch.teardown_s = self.world.teardown()
+        watch.state, watch.forced = State.STOPPED, True
+        self.world.event("stop_forced", attempt=watch.attempt, reason=why)
+
+    def _ended(self, watch: AttemptWatch, obs: Observation) -> None:
+        """torchrun exited: success, the agreed stop, or a crash."""
+        stopped_event = bool(self.world.attempt_events("stopped"))
+        if obs.agent_exit == 0:
+            watch.state = State.SUCCEEDED
+        elif watch.state is State.STOPPING or stopped_event:
+            watch.state = State.STOPPED
+        else:
+            watch.state = State.FAILED
+            watch.detected_at = watch.gone_at if watch.gone_at is not None else obs.time
+            watch.failure = self._crash_facts(watch, obs)
+        watch.teardown_s = self.world.teardown()
+        if watch.failure is not None:
+            watch.teardown_s = self.world.now() - (watch.detected_at or obs.time)
+            self._report_failure(watch)
+
+    def _crash_facts(self, watch: AttemptWatch, obs: Observation) -> dict[str, Any]:
+        failures, agent_error = self.world.failures()
+        root = root_cause(failures) or RankFailure(rank=None, exit_code=obs.agent_exit,
+                                                   exception=agent_error)
+        if any(f.uses_runtime for f in failures):
+            self.runtime_seen = True  # it failed before its first heartbeat, but it is not a plain script
+        beat = watch.beats.get(root.rank) if root.rank is not None else None
+        steps = [s for s in (beat.step if beat else None, watch.last_step) if s is not None]
+        last_life = max([t for t in (beat.time if beat else None, watch.last_step_time) if t is not None], default=None)
+        return {"cause": "crash", **root.to_json(), "step": max(steps, default=None), "last_sign_of_life": last_life,
+                "plain_script": not self.runtime_seen}
+
+    def _stalled(self, watch: AttemptWatch, obs: Observation, stale: list[int]) -> None:
+        watch.state, watch.detected_at = State.STALLED, obs.time
+        self.world.say(f"ranks {', '.join(map(str, stale))} made no progress: dumping their stacks, then restarting")
+        stacks = self.world.dump_stacks(stale)
+        suspect = pick_suspect(stale, watch.beats, stacks)
+        beat = watch.beats.get(suspect)
+        steps = [s for s in (beat.step if beat else None, watch.last_step) if s is not None]
+        watch.failure = {"cause": "hang", "rank": suspect, "suspect": suspect, "stale_ranks": stale,
+                         "step": max(steps, default=None), "phase": beat.phase if beat else "start",
+                         "last_sign_of_life": beat.time if beat else watch.launched,
+                         "waiting_on_peers": {str(r): waiting_on_peers(stacks.get(r, "")) for r in stale}}
+        self.world.teardown()
+        watch.teardown_s = self.world.now() - obs.time
+        self._report_failure(watch)
+
+    def _report_failure(self, watch: AttemptWatch) -> None:
+        failure = watch.failure or {}
+        life = failure.get("last_sign_of_life")
+        detect_s = (watch.detected_at - life) if (watch.detected_at and life) else None
+        failure.update(attempt=watch.attempt, detected_at=watch.detected_at, detect_s=detect_s)
+        self.world.event("failure", **failure)
+        if failure.get("plain_script"):
+            self._plain_script_notice()
+        self.world.say(f"attempt {watch.attempt} failed: {describe_failure(failure)}")
+
+    # --- after an attempt ---------------------------------------------------------
+
+    def _facts(self, watch: AttemptWatch) -> RestartFacts:
+        new_snapshot = bool(self.world.attempt_events("snapshot_saved"))
+        self.stalled_restarts = 0 if new_snapshot or not self.runtime_seen else self.stalled_restarts + (
+            1 if watch.attempt > self.first_attempt else 0)
+        failure = watch.failure or {}
+        return RestartFacts(
+            first_attempt=watch.attempt == self.first_attempt,
+            reached_first_step=watch.first_step_time is not None,
+            runtime_used=self.runtime_seen,
+            load_failure=failure.get("phase") == "load",
+            fatal=self.world.fatal_records(),
+            restarts=self.restarts,
+            stalled_restarts=self.stalled_restarts,
+        )
+
+    def _prepare_restart(self, watch: AttemptWatch, verdict: Restart) -> Snapshot | None | bool:
+        """Count the restart, verify the newest snapshot, back off. False when a stop arrives meanwhile."""
+        self.restarts += 1
+        snapshot = self.world.newest_snapshot()
+        if not self._wait(verdict.delay):
+            return False
+        lost = (watch.last_step - (snapshot.step if snapshot else 0)) if watch.last_step is not None else None
+        failure = watch.failure or {}
+        self.pending_restart = {
+            "attempt": watch.attempt + 1, "restarts": self.restarts, "cause": failure.get("cause"),
+            "snapshot": str(snapshot.path) if snapshot else None, "snapshot_step": snapshot.step if snapshot else None,
+            "lost_steps": lost, "detect_s": failure.get("detect_s"), "teardown_s": watch.teardown_s,
+            "verify_s": snapshot.verify_s if snapshot else 0.0, "backoff_s": verdict.delay,
+            "relaunched_at": None,
+        }
+        where = f"snapshot step {snapshot.step}" if snapshot else "the start (no verified snapshot)"
+        self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} from {where}")
+        return snapshot
+
+    def _wait(self, seconds: float) -> bool:
+        """Back off, still honouring stop requests (nothing runs meanwhile)."""
+        deadline = self.world.now() + seconds
+        while self.world.now() < deadline:
+            reason = self.stop.reason(self.world.now(), self.world.stop_file_present())
+            if reason:
+                self.world.event("stop_requested", reason=f"{reason}, during the restart back-off")
+                return False
+            self.world.sleep(min(self.timeouts.poll, max(0.0, deadline - self.world.now())))
+        return True
+
+    def _log_pending_restart(self, watch: AttemptWatch) -> None:
+        """The restart event, once the relaunched attempt's first step (or its end) shows the last RTO part."""
+        pending = self.pending_restart
+        if pending is None or pending["attempt"] != watch.attempt:
+            return
+        self.pending_restart = None
+        parts = relaunch_parts(watch, self.world.attempt_events("restored"))
+        fields = {k: v for k, v in pending.items() if k != "relaunched_at"}
+        known = [fields.get(k) for k in ("detect_s", "teardown_s", "verify_s", "backoff_s")]
+        total = sum(v for v in known if v) + (parts.get("relaunch_to_first_step_s") or 0.0)
+        self.world.event("restart", **fields, **parts,
+                         rto_s=total if parts.get("relaunch_to_first_step_s") is not None else None)
+
+    # --- outcomes -----------------------------------------------------------------
+
+    def _done(self, watch: AttemptWatch) -> Outcome:
+        self.world.event("run_completed", attempt=watch.attempt, restarts=self.restarts, step=watch.last_step)
+        at = f" at step {watch.last_step}" if watch.last_step is not None else ""
+        return Outcome(EXIT_OK, f"run completed{at} after {self.restarts} restart(s)",
+                       attempts=watch.attempt - self.first_attempt + 1, restarts=self.restarts)
+
+    def _stopped(self, watch: AttemptWatch) -> Outcome:
+        stopped = self.world.attempt_events("stopped")
+        snapshot = self.world.newest_snapshot()
+        attempts = watch.attempt - self.first_attempt + 1
+        self.world.event("run_stopped", attempt=watch.attempt, forced=watch.forced,
+                         step=stopped[-1].get("step") if stopped else watch.last_step,
+                         snapshot_step=snapshot.step if snapshot else None)
+        if snapshot is None:
+            return Outcome(EXIT_NO, "stopped before any verified snapshot existed; nothing to resume",
+                           "launch the run again (add --save-every-steps to save sooner)", attempts, self.restarts)
+        return Outcome(EXIT_STOPPED, f"stopped; newest verified snapshot: step {snapshot.step}",
+                       "continue with `ckptrun resume --latest`", attempts, self.restarts)
+
+    def _give_up(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
+        failure = watch.failure or {}
+        self.world.event("gave_up", attempt=watch.attempt, exit_code=verdict.code, reason=verdict.reason,
+                         restarts=self.restarts)
+        log = failure.get("log")
+        hint = verdict.hint + (f"; full traceback in {log}" if log and failure.get("exception") else "")
+        return Outcome(verdict.code, f"{verdict.reason}: {describe_failure(failure)}", hint,
+                       watch.attempt - self.first_attempt + 1, self.restarts)
+
+
+def relaunch_parts(watch: AttemptWatch, restored: list[dict[str, Any]]) -> dict[str, float | None]:
+    """relaunch_to_first_step_s and its parts: start-up (processes, imports, process group), restore, first step."""
+    first = watch.first_step_time
+    parts: dict[str, float | None] = {"relaunch_to_first_step_s": (first - watch.launched) if first else None}
+    if restored:
+        event = restored[-1]
+        restore_s = float(event.get("seconds", 0.0))
+        restore_start = float(event["time"]) - restore_s
+        parts.update(startup_s=restore_start - watch.launched, restore_s=restore_s,
+                     first_step_s=(first - float(event["time"])) if first else None)
+    return parts

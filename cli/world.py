@@ -1,0 +1,271 @@
+"""The real world the supervisor watches: torchrun trees, the run directory's records, the clock.
+
+:class:`LocalWorld` implements :class:`ckptrun.cli.supervisor.World` for one
+node. It builds each attempt's C1 environment in one place, starts the
+attempt's process tree, and turns processes, heartbeat files and the tails
+of ``metrics.jsonl``/``events.jsonl`` into :class:`Observation` s. Importable
+without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ckptrun.cli.attempt import AttemptProcess, torchrun_command
+from ckptrun.cli.failures import CONSOLE_NAME, FAILURES_NAME, RankFailure, rank_log, read_failures
+from ckptrun.cli.progress import Progress, Status
+from ckptrun.cli.rundir import RunPaths
+from ckptrun.cli.spec import LaunchSpec
+from ckptrun.cli.supervisor import Observation, RankView, Snapshot
+from ckptrun.runtime import records
+from ckptrun.runtime.env import PREFIX, RunEnv
+from ckptrun.runtime.verify import newest_verified
+
+STACK_WAIT_S = 3.0
+
+
+class JsonlTail:
+    """New whole records appended to a JSONL file since the last read (a partial last line waits)."""
+
+    def __init__(self, path: Path, from_end: bool = True) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if from_end and path.exists() else 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as stream:
+                stream.seek(self.offset)
+                data = stream.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for raw in data[:end].split(b"\n"):
+            try:
+                record = json.loads(raw) if raw.strip() else None
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+
+def torchrun_args(spec: LaunchSpec, log_dir: Path) -> list[str]:
+    """torchrun's flags for one attempt: a fresh rendezvous unless a fixed port was asked for."""
+    args = ["--nproc-per-node", spec.nproc_per_node, "--nnodes", spec.nnodes, "--node-rank", str(spec.node_rank)]
+    if spec.master_port is not None:
+        args += ["--master-addr", spec.master_addr or "127.0.0.1", "--master-port", str(spec.master_port)]
+    elif spec.rdzv_backend or spec.rdzv_endpoint:
+        args += [f"--rdzv-backend={spec.rdzv_backend or 'c10d'}", f"--rdzv-endpoint={spec.rdzv_endpoint or 'localhost:0'}"]
+    else:
+        args += ["--standalone"]
+    return args + ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
+                   "--shutdown-timeout", str(max(1, int(spec.grace_period)))]
+
+
+class LocalWorld:
+    """One node's attempts, observed through psutil and the run directory."""
+
+    def __init__(self, spec: LaunchSpec, run_id: str, paths: RunPaths, ckpt_dir: Path, target: list[str],
+                 progress: Progress) -> None:
+        self.spec, self.run_id, self.paths, self.ckpt_dir = spec, run_id, paths, ckpt_dir
+        self.target, self.progress = target, progress
+        self.attempt = 0
+        self.process: AttemptProcess | None = None
+        self.launched = 0.0
+        self.metrics = JsonlTail(paths.root / records.METRICS)
+        self.events = JsonlTail(paths.root / records.EVENTS)
+        self.attempt_log: list[dict[str, Any]] = []
+        self.first_step_time: float | None = None
+        self.last_metric: dict[str, Any] | None = None
+        self.rate_base: dict[str, Any] | None = None
+        self.snapshot_step: int | None = None
+        self.supervisor = psutil.Process()
+
+    # --- clock ---
+
+    def now(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    # --- launching ---
+
+    def run_env(self, attempt: int, resume_from: Path | None) -> RunEnv:
+        """Contract C1 for one attempt: built here and nowhere else."""
+        spec = self.spec
+        return RunEnv(
+            run_id=self.run_id, run_dir=self.paths.root.resolve(), ckpt_dir=self.ckpt_dir.resolve(), attempt=attempt,
+            supervised=True, supervisor_pid=self.supervisor.pid, supervisor_start_time=self.supervisor.create_time(),
+            resume_from=resume_from, precision=spec.precision, save_every_steps=spec.save_every_steps,
+            save_every_seconds=spec.save_every_seconds, keep_last=spec.keep_last, keep_every=spec.keep_every,
+            async_save=spec.async_save, save_overlap=spec.save_overlap, max_failed_saves=spec.max_failed_saves, heartbeat_interval=spec.heartbeat_interval, seed=spec.seed,
+            deterministic=spec.deterministic, threads=spec.threads, hash_algorithm=spec.hash_algorithm,
+            allow_changes=tuple(spec.allow_changes), fault=spec.inject_fault,
+        )
+
+    def launch(self, attempt: int, resume_from: Path | None) -> None:
+        self.attempt, self.launched = attempt, time.time()
+        self.metrics, self.events = JsonlTail(self.metrics.path), JsonlTail(self.events.path)
+        self.attempt_log, self.first_step_time, self.last_metric, self.rate_base = [], None, None, None
+        log_dir = self.paths.attempt_logs(attempt)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+        env.update(self.run_env(attempt, resume_from).to_env())
+        command = torchrun_command(log_dir / FAILURES_NAME, torchrun_args(self.spec, log_dir), self.target)
+        self.process = AttemptProcess(command, env, log_dir / CONSOLE_NAME)
+
+    # --- observing ---
+
+    def observe(self) -> Observation:
+        process = self._process()
+        obs = Observation(time=time.time(), agent_exit=process.exit_code(), stop_file=self.paths.stop_file.exists())
+        beats = {r: b for r, b in records.read_heartbeats(self.paths.root).items() if b.attempt == self.attempt}
+        for rank in process.discover_ranks():
+            obs.ranks[rank] = RankView(alive=process.alive(rank), beat=beats.get(rank))
+        self._read_tails()
+        obs.first_step_time = self.first_step_time
+        if self.last_metric is not None:
+            obs.last_step = int(self.last_metric["step"])
+            obs.last_step_time = float(self.last_metric.get("time", obs.time))
+        return obs
+
+    def _read_tails(self) -> None:
+        for record in self.metrics.read():
+            if record.get("attempt") != self.attempt or "step" not in record:
+                continue
+            if self.first_step_time is None:
+                self.first_step_time = float(record.get("time", time.time()))
+                self.rate_base = record
+            self.last_metric = record
+        for record in self.events.read():
+            self.attempt_log.append(record)
+            if record.get("event") == "snapshot_saved":
+                self.snapshot_step = record.get("step")
+
+    def attempt_events(self, name: str) -> list[dict[str, Any]]:
+        self._read_tails()
+        return [r for r in self.attempt_log if r.get("event") == name]
+
+    def failures(self) -> tuple[list[RankFailure], str | None]:
+        log_dir = self.paths.attempt_logs(self.attempt)
+        self._link_rank_logs()
+        failures, agent_error = read_failures(log_dir)
+        for failure in failures:
+            if failure.rank is not None:
+                found = rank_log(log_dir, failure.rank)
+                failure.log = str(found) if found else failure.log
+        return failures, agent_error
+
+    def fatal_records(self) -> list[dict[str, Any]]:
+        return [r for r in records.read_fatal(self.paths.root) if float(r.get("time", 0)) >= self.launched]
+
+    def stop_file_present(self) -> bool:
+        return self.paths.stop_file.exists()
+
+    # --- acting ---
+
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """SIGUSR2 → each rank prints all its threads' stacks to its stderr log; returns what it printed."""
+        process = self._process()
+        self._link_rank_logs()
+        logs = {r: rank_log(self.paths.attempt_logs(self.attempt), r) for r in ranks}
+        sizes = {r: _size(p) for r, p in logs.items()}
+        process.signal_ranks(ranks, signal.SIGUSR2)
+        deadline, stable_since = time.monotonic() + STACK_WAIT_S, None
+        last = dict(sizes)
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = {r: _size(p) for r, p in logs.items()}
+            grown = all(now[r] > sizes[r] for r in ranks)
+            stable_since = (stable_since or time.monotonic()) if now == last else None
+            last = now
+            if grown and stable_since and time.monotonic() - stable_since >= 0.2:
+                break
+        return {r: _read_from(logs[r], sizes[r]) for r in ranks}
+
+    def teardown(self) -> float:
+        seconds = self._process().teardown(self.spec.grace_period, self.run_id)
+        self._link_rank_logs()
+        return seconds
+
+    def close(self) -> None:
+        """Tear down an attempt still running (the supervisor is leaving on an error of its own)."""
+        if self.process is not None and self.process.exit_code() is None:
+            self.teardown()
+
+    def newest_snapshot(self) -> Snapshot | None:
+        started = time.monotonic()
+        report = newest_verified(self.ckpt_dir, log=self.say)
+        if report is None:
+            return None
+        return Snapshot(report.path, report.step, time.monotonic() - started)
+
+    def request_stop(self) -> None:
+        self.paths.stop_file.touch()
+
+    def event(self, name: str, **fields: Any) -> None:
+        records.log_event(self.paths.root, name, **fields)
+
+    def say(self, line: str) -> None:
+        self.progress.say(line)
+
+    def show_progress(self, attempt: int, restarts: int, observation: Observation) -> None:
+        status = Status(attempt=attempt, restarts=restarts, snapshot_step=self.snapshot_step)
+        metric = self.last_metric
+        if metric is not None:
+            status.step, status.loss = int(metric["step"]), metric.get("loss")
+            status.samples_per_s = _rate(self.rate_base, metric)
+        self.progress.show(status)
+
+    # --- helpers ---
+
+    def _process(self) -> AttemptProcess:
+        if self.process is None:
+            raise RuntimeError("no attempt was launched")
+        return self.process
+
+    def _link_rank_logs(self) -> None:
+        """``logs/attempt-N/rank-R`` → torchrun's ``<id>/attempt_0/R`` directory, for people."""
+        log_dir = self.paths.attempt_logs(self.attempt)
+        for rank_dir in log_dir.glob("*/attempt_*/*"):
+            link = log_dir / f"rank-{rank_dir.name}"
+            if rank_dir.is_dir() and rank_dir.name.isdigit() and not link.exists():
+                try:
+                    link.symlink_to(rank_dir.relative_to(log_dir))
+                except OSError:
+                    pass
+
+
+def _size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path else 0
+    except OSError:
+        return 0
+
+
+def _read_from(path: Path | None, offset: int) -> str:
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as stream:
+            stream.seek(offset)
+            return stream.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _rate(base: dict[str, Any] | None, latest: dict[str, Any]) -> float | None:
+    if not base or "samples_seen" not in base or "samples_seen" not in latest:
+        return None
+    elapsed = float(latest.get("time", 0)) - float(base.get("time", 0))
+    return (latest["samples_seen"] - base["samples_seen"]) / elapsed if elapsed > 0 else None
