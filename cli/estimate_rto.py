@@ -31,7 +31,7 @@ from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.rto_model import RTO_PARTS, Component, budget_verdict, cost_per_failure, daly, goodput, total, young
 from ckptrun.runtime import records
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
-from ckptrun.runtime.store import LINEAGE_NAME, LineageError, list_entries, read_lineage
+from ckptrun.runtime.store import LINEAGE_NAME, LineageError, current_lineage, list_entries
 
 PATH_HINT = "pass a run directory (it has events.jsonl or checkpoints/) or a checkpoint directory with step-NNNNNNNNN snapshots"
 CUT = {
@@ -151,20 +151,9 @@ def _target(path: Path, kind: str, ckpt_dir: Path, snapshot: Path | None = None,
 def _lineage_snapshots(ckpt_dir: Path) -> list[tuple[Path, Any]]:
     """Published snapshots of the current lineage with readable manifests, oldest first."""
     try:
-        lineage = read_lineage(ckpt_dir)
+        return [(entry.path, manifest) for entry, manifest in current_lineage(ckpt_dir)]
     except LineageError as exc:
         raise CkptrunError(str(exc), "restore lineage.json, or pass one snapshot directory") from None
-    chain = []
-    for entry in list_entries(ckpt_dir, include_abandoned=False):
-        if entry.kind != "published":
-            continue
-        try:
-            manifest = read_manifest(entry.path)
-        except ManifestError:
-            continue
-        if lineage is None or lineage.contains(manifest):
-            chain.append((entry.path, manifest))
-    return chain
 
 
 # --- the report -------------------------------------------------------------------------

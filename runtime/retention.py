@@ -10,30 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptrun.runtime import records, store
-from ckptrun.runtime.manifest import ManifestError, read_manifest
 from ckptrun.runtime.policies import Retention
 from ckptrun.runtime.verify import verify_snapshot
 
 
-def lineage_chain(ckpt_dir: Path) -> list[store.Entry]:
-    """Published snapshots of the current lineage (abandoned lines and unreadable manifests left out)."""
-    lineage = store.read_lineage(ckpt_dir)
-    chain = []
-    for entry in store.list_entries(ckpt_dir, include_abandoned=False):
-        if entry.kind != "published":
-            continue
-        try:
-            manifest = read_manifest(entry.path)
-        except ManifestError:
-            continue
-        if lineage is None or lineage.contains(manifest):
-            chain.append(entry)
-    return chain
-
-
 def apply_retention(ckpt_dir: Path, policy: Retention, run_dir: Path) -> list[int]:
     """Rank 0, after a publish: delete what the policy allows once the newest snapshot verifies."""
-    chain = lineage_chain(ckpt_dir)
+    chain = [entry for entry, _ in store.current_lineage(ckpt_dir)]
     doomed = set(policy.to_delete([e.step for e in chain]))
     if not doomed:
         return []

@@ -96,6 +96,25 @@ def list_entries(ckpt_dir: Path, include_abandoned: bool = True) -> list[Entry]:
     return sorted(entries, key=lambda e: (e.step, e.kind, e.name))
 
 
+def published(ckpt_dir: Path) -> list[tuple[Entry, Manifest]]:
+    """Published snapshots (abandoned ones left out) whose manifest reads, oldest first."""
+    found = []
+    for entry in list_entries(ckpt_dir, include_abandoned=False):
+        if entry.kind != "published":
+            continue
+        try:
+            found.append((entry, read_manifest(entry.path)))
+        except ManifestError:
+            continue
+    return found
+
+
+def current_lineage(ckpt_dir: Path) -> list[tuple[Entry, Manifest]]:
+    """Published snapshots of the current lineage, oldest first (all of them when there is no lineage.json)."""
+    lineage = read_lineage(ckpt_dir)
+    return [(entry, manifest) for entry, manifest in published(ckpt_dir) if lineage is None or lineage.contains(manifest)]
+
+
 def is_snapshot_dir(path: Path) -> bool:
     return SNAPSHOT_RE.match(path.name) is not None and path.is_dir()
 
@@ -183,13 +202,7 @@ def fork(ckpt_dir: Path, fork_point: Path) -> Lineage:
 def move_out_of_lineage(ckpt_dir: Path, lineage: Lineage) -> list[Path]:
     """Move published snapshots that are not in the current lineage to ``abandoned/<their line>/``."""
     moved = []
-    for entry in list_entries(ckpt_dir, include_abandoned=False):
-        if entry.kind != "published":
-            continue
-        try:
-            manifest = read_manifest(entry.path)
-        except ManifestError:
-            continue
+    for entry, manifest in published(ckpt_dir):
         if not lineage.contains(manifest):
             target = ckpt_dir / ABANDONED_DIR / manifest.lineage
             target.mkdir(parents=True, exist_ok=True)
