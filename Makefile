@@ -25,10 +25,16 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e" tests
 
 demo: $(STAMP)
-	$(BIN)/python -m ckptrun.templates.demo
+	$(BIN)/ckptrun demo
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py --full
+
+bench-quick: $(STAMP)
+	$(BIN)/python bench/run.py --quick
 
 gpu-check: $(STAMP)
 	$(BIN)/python bench/gpu_check.py

@@ -122,7 +122,7 @@ def resume(
 
 @command
 def stop(
-    run_dir: Optional[Path] = typer.Argument(None, metavar="[RUN_DIR]", help="The run to stop. [default: the most recent under runs/]", show_default=False),
+    run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help="The run to stop. [default: the most recent under runs/]", show_default=False),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the supervisor has saved and exited."),
     timeout: float = typer.Option(600.0, "--timeout", help="Longest wait in seconds."),
 ) -> int:

@@ -12,7 +12,15 @@ from __future__ import annotations
 import typer
 
 from ckptrun.cli import errors
+from ckptrun.cli.estimate_rto import estimate_rto
+from ckptrun.cli.demo import demo
+from ckptrun.cli.launch import LAUNCH_CONTEXT, launch, resume, stop
+from ckptrun.cli.precision_report import precision_report
 from ckptrun.cli.verify import verify
+from ckptrun.cli.status import status
+from ckptrun.cli.init import init
+from ckptrun.cli.export import export
+from ckptrun.cli.report import report
 
 EPILOG = "\b\nExit codes (the same for every command):\n" + errors.exit_codes_help()
 
@@ -48,7 +56,17 @@ def root(
 
 # --- commands: one line each (each module keeps heavy imports inside its command) ---
 
+app.command(epilog=EPILOG, context_settings=LAUNCH_CONTEXT, options_metavar="[OPTIONS] [SCRIPT [ARGS]...]")(launch)
+app.command(epilog=EPILOG)(resume)
+app.command(epilog=EPILOG)(stop)
+app.command(epilog=EPILOG)(demo)
 app.command(epilog=EPILOG)(verify)
+app.command(epilog=EPILOG)(estimate_rto)
+app.command("precision-report", epilog=EPILOG)(precision_report)
+app.command(epilog=EPILOG)(status)
+app.command(epilog=EPILOG)(init)
+app.command(epilog=EPILOG)(export)
+app.command(epilog=EPILOG)(report)
 
 
 def main() -> None:

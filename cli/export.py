@@ -1,0 +1,178 @@
+"""``ckptrun export SNAPSHOT -o FILE``: a verified snapshot's weights as a plain ``state_dict`` file.
+
+For evaluation and inference, where the training state (optimizer, RNG, data
+position) is not wanted. The snapshot is verified first — every byte against
+its manifest — and an unverified one is refused (exit 1). The model's tensors
+are read in this one process through the runtime's safe DCP reader (no
+unpickling of anything but DCP's own metadata) and joined with the JSON tree
+``state.json`` keeps, so the keys are exactly those of ``model.state_dict()``
+(DDP's ``module.`` never appears: the runtime unwraps it before saving).
+``--ema`` takes the tracked ``ema`` object instead, an ``AveragedModel``: its
+``module.`` prefix is stripped and its ``n_averaged`` counter dropped, so the
+file loads into the bare model. ``.pt`` files are written with ``torch.save``
+and load with ``torch.load(weights_only=True)``; ``.safetensors`` needs the
+``export`` extra. torch is imported only inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
+from ckptrun.cli.spec import RUN_JSON
+from ckptrun.cli.verify import human_bytes
+from ckptrun.runtime import records
+from ckptrun.runtime.manifest import MANIFEST_NAME
+from ckptrun.runtime.store import LINEAGE_NAME, list_entries
+from ckptrun.runtime.verify import SnapshotReport, newest_verified, verify_snapshot
+
+if TYPE_CHECKING:
+    import torch
+
+FORMATS = {".pt": "torch", ".pth": "torch", ".safetensors": "safetensors"}
+STRIP = ("_orig_mod.",)  # torch.compile's wrapper prefix: not part of the model's own names
+PATH_HINT = "pass a snapshot directory (step-NNNNNNNNN), a checkpoint directory or a run directory"
+
+
+@command
+def export(
+    snapshot: Path = typer.Argument(..., metavar="SNAPSHOT", help="A snapshot directory, or a checkpoint/run directory (its newest verified snapshot)."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="FILE", help="Where to write: FILE.pt (torch.save) or FILE.safetensors."),
+    ema: bool = typer.Option(False, "--ema", help="Export the EMA weights (the tracked `ema` AveragedModel) instead of the model's."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (snapshot, step, tensors, bytes, file) on stdout."),
+) -> int:
+    """Write the model (or EMA) weights of a verified snapshot as a plain state_dict file (.pt or .safetensors).
+
+    \b
+    Examples:
+      ckptrun export runs/demo -o model.pt
+      ckptrun export runs/demo/checkpoints/step-000000020 --ema -o ema.safetensors
+    Load with: model.load_state_dict(torch.load("model.pt", weights_only=True))
+    """
+    kind = output_format(output)
+    report = verified_snapshot(snapshot)
+    name = "ema" if ema else "model"
+    state = read_weights(report.path, name)
+    size = write_state_dict(state, output, kind, {"snapshot": str(report.path), "step": str(report.step), "object": name})
+    print(f"ckptrun: exported {len(state)} tensors ({human_bytes(size)}) of {name} from {report.path.name} "
+          f"(step {report.step}, verified) to {output}", file=sys.stderr)
+    if as_json:
+        document = {"snapshot": str(report.path), "step": report.step, "object": name, "format": kind,
+                    "tensors": len(state), "bytes": size, "file": str(output)}
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    return EXIT_OK
+
+
+def output_format(output: Path) -> str:
+    """torch or safetensors, from the suffix; refuses other suffixes and a missing safetensors package."""
+    kind = FORMATS.get(output.suffix.lower())
+    if kind is None:
+        raise CkptrunError(f"-o {output}: unknown format {output.suffix or '(no suffix)'}",
+                           "name the file .pt (torch.save) or .safetensors")
+    if kind == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise CkptrunError("writing .safetensors needs the safetensors package",
+                               "pip install 'ckptrun[export]' (or write a .pt file)") from None
+    if not output.parent.is_dir():
+        raise CkptrunError(f"-o {output}: directory {output.parent} does not exist", "create it first")
+    return kind
+
+
+# --- which snapshot ---------------------------------------------------------------------
+
+
+def verified_snapshot(path: Path) -> SnapshotReport:
+    """The snapshot at ``path`` once it verifies, or the newest verified one of a checkpoint/run directory."""
+    if not path.is_dir():
+        raise CkptrunError(f"{path}: no such directory", PATH_HINT)
+    if (path / MANIFEST_NAME).exists():
+        report = verify_snapshot(path)
+        if not report.ok:
+            problems = "; ".join(report.problems[:3]) + (f" (+{len(report.problems) - 3} more)" if len(report.problems) > 3 else "")
+            raise CkptrunError(f"snapshot {path} does not verify ({report.status}): {problems}",
+                               f"export another one; `ckptrun verify {path.parent}` lists those that verify", EXIT_NO)
+        return report
+    ckpt_dir = checkpoint_dir(path)
+    report = newest_verified(ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+    if report is None:
+        raise CkptrunError(f"no snapshot in {ckpt_dir} verifies", f"`ckptrun verify {ckpt_dir}` says what is wrong", EXIT_NO)
+    return report
+
+
+def checkpoint_dir(path: Path) -> Path:
+    if (path / LINEAGE_NAME).exists() or any(e.kind == "published" for e in list_entries(path)):
+        return path
+    if (path / RUN_JSON).exists() or (path / records.EVENTS).exists():
+        try:
+            spec = json.loads((path / RUN_JSON).read_text())["spec"]
+            return Path(spec["ckpt_dir"]) if spec.get("ckpt_dir") else path / "checkpoints"
+        except (OSError, ValueError, KeyError, TypeError):
+            return path / "checkpoints"
+    raise CkptrunError(f"{path} holds no snapshot", PATH_HINT)
+
+
+# --- reading and writing the weights ----------------------------------------------------------
+
+
+def read_weights(snapshot_dir: Path, name: str) -> dict[str, torch.Tensor]:
+    """The tracked object ``name``'s tensors, read with the safe DCP reader in this one process."""
+    import torch.distributed.checkpoint as dcp
+    from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, load_metadata
+    from ckptrun.runtime.snapshot import DCP_DIR, STATE_JSON
+    from ckptrun.runtime.treecodec import join, tensor_keys
+
+    objects = json.loads((snapshot_dir / STATE_JSON).read_text()).get("objects", {})
+    if name not in objects:
+        flag = "--ema: the run tracked no `ema` object" if name == "ema" else "the run tracked no `model` object"
+        raise CkptrunError(f"{flag} in {snapshot_dir.name} (tracked: {', '.join(objects) or 'nothing'})",
+                           "drop --ema to export the model's weights" if name == "ema" else "track the model as run.track(model=...)")
+    tree = objects[name]
+    metadata = load_metadata(snapshot_dir / DCP_DIR)
+    tensors = allocate_from_metadata(metadata, tensor_keys(tree))
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=SafeReader(snapshot_dir / DCP_DIR), no_dist=True)
+    return plain_state_dict(join(tree, tensors), averaged=name == "ema")
+
+
+def plain_state_dict(state: dict[str, Any], averaged: bool) -> dict[str, torch.Tensor]:
+    """Tensors only, with wrapper prefixes removed (an AveragedModel's ``module.``; torch.compile's)."""
+    import torch
+
+    out = {}
+    for key, value in state.items():
+        if averaged:
+            if not key.startswith("module."):
+                continue  # n_averaged: the EMA's own counter, not a weight
+            key = key.removeprefix("module.")
+        for prefix in STRIP:
+            key = key.replace(prefix, "")
+        if isinstance(value, torch.Tensor):
+            out[key] = value
+    return out
+
+
+def write_state_dict(state: dict[str, torch.Tensor], output: Path, kind: str, metadata: dict[str, str]) -> int:
+    """Write to a temp file beside ``output`` and rename it into place; returns the file's size."""
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        if kind == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+        else:
+            import torch
+
+            torch.save(state, tmp)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return output.stat().st_size
