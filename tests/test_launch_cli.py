@@ -120,7 +120,7 @@ def test_resume_and_stop_pick_the_most_recent_run(tmp_path: Path) -> None:
     os.utime(old, (1, 1))
     assert latest_run(tmp_path / "runs") == new
     result = cli("stop", cwd=tmp_path)
-    assert result.returncode == 2 and f"no supervisor is running runs/new" in result.stderr
+    assert result.returncode == 2 and "no supervisor is running runs/new" in result.stderr
     assert not (new / "stop").exists()
 
 
