@@ -24,6 +24,7 @@ from ckptrun.runtime import records
 
 LAUNCH_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
 TORCHRUN, RUN, POLICY, SUPERVISION = "torchrun", "Run directory", "Checkpoint policy (C1)", "Supervision"
+RECOVERY = "Recovery budget and checks"
 
 
 def _opt(flag: str, help: str, panel: str, **kw: Any) -> Any:
@@ -55,6 +56,8 @@ def launch(
     precision: Optional[str] = _opt("--precision", "auto, fp32, tf32, bf16, fp16 or fp8. [default: auto]", POLICY),
     save_every_steps: Optional[int] = _opt("--save-every-steps", "Save a snapshot every N steps.", POLICY),
     save_every_seconds: Optional[str] = _opt("--save-every-seconds", "Save when this long passed since the last save (90, 15m).", POLICY),
+    save_every: Optional[str] = _opt("--save-every", "auto: the interval follows Daly's formula from the measured save cost and --mtbf (first save after the first step).", POLICY, metavar="auto"),
+    mtbf: Optional[str] = _opt("--mtbf", "Mean time between failures assumed by --save-every auto (e.g. 6h). [default: 24h]", POLICY, metavar="DURATION"),
     async_save: Optional[bool] = typer.Option(None, "--async-save/--sync-save", help="Persist snapshots in the background (the step waits only for staging). [default: async]", rich_help_panel=POLICY, show_default=False),
     save_overlap: Optional[str] = _opt("--save-overlap", "A save due while one is in flight: wait or skip. [default: wait]", POLICY),
     keep_last: Optional[int] = _opt("--keep-last", "Verified snapshots kept besides milestones. [default: 3]", POLICY),
@@ -73,6 +76,9 @@ def launch(
     stop_signal: Optional[str] = _opt("--stop-signal", "Extra signal meaning 'save and stop' (e.g. SIGUSR1 for Slurm --signal).", SUPERVISION),
     max_stalled_restarts: Optional[int] = _opt("--max-stalled-restarts", "Restarts in a row without a new snapshot before giving up (exit 4). [default: 2]", SUPERVISION),
     restart_backoff: Optional[float] = _opt("--restart-backoff", "Seconds before the first restart; doubles each time. [default: 1]", SUPERVISION),
+    rto_budget: Optional[str] = _opt("--rto-budget", "Estimate the RTO after the first snapshot; warn when it exceeds this (e.g. 2m). Caps --save-every auto.", RECOVERY, metavar="DURATION"),
+    strict_budget: Optional[bool] = _opt("--strict-budget", "With --rto-budget: stop the run (saved, exit 1) when the estimate is over it.", RECOVERY),
+    require_exact_resume: Optional[bool] = _opt("--require-exact-resume", "End the run (exit 4) when a resume's replayed losses diverge from the originals.", RECOVERY),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (run id, dir, exit code) on stdout."),
 ) -> int:
     """Launch SCRIPT [ARGS...] with torchrun under supervision: restart from the newest verified snapshot on a crash or hang.
@@ -87,11 +93,12 @@ def launch(
     flags = dict(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                  master_port=master_port, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, name=name,
                  run_dir=run_dir, ckpt_dir=ckpt_dir, precision=precision, save_every_steps=save_every_steps,
-                 save_every_seconds=save_every_seconds, async_save=async_save, save_overlap=save_overlap, keep_last=keep_last, keep_every=keep_every, seed=seed,
+                 save_every_seconds=save_every_seconds, save_every=save_every, mtbf=mtbf, async_save=async_save, save_overlap=save_overlap, keep_last=keep_last, keep_every=keep_every, seed=seed,
                  deterministic=deterministic, threads=threads, allow_changes=allow_change, inject_fault=inject_fault,
                  max_restarts=max_restarts, max_stalled_restarts=max_stalled_restarts, heartbeat_timeout=heartbeat_timeout, startup_timeout=startup_timeout,
                  save_timeout=save_timeout, grace_period=grace_period, time_limit=time_limit, stop_signal=stop_signal,
-                 restart_backoff=restart_backoff, script=script, script_args=script_args or None)
+                 restart_backoff=restart_backoff, rto_budget=rto_budget, strict_budget=strict_budget,
+                 require_exact_resume=require_exact_resume, script=script, script_args=script_args or None)
     if standalone and master_port is not None:
         raise CkptrunError("--standalone and --master-port contradict each other", "pass one of them")
     return start_run(build_spec(flags, config), argv=sys.argv, as_json=as_json)

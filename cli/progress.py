@@ -1,4 +1,5 @@
-"""One status line on stderr while a run trains: attempt, step, loss, samples/s, last snapshot, restarts.
+"""One status line on stderr while a run trains: attempt, step, loss, samples/s, last snapshot, restarts,
+and, once known, the RTO (measured by the last restart, estimated, budget) and the last resume's verdict.
 
 At most once a second on a terminal (redrawn in place), every ``plain_interval``
 seconds otherwise (a log file gets whole lines, not a flood). stdout stays
@@ -12,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from ckptrun.cli.durations import format_duration
+
 
 @dataclass
 class Status:
@@ -22,6 +25,19 @@ class Status:
     loss: float | None = None
     samples_per_s: float | None = None
     snapshot_step: int | None = None
+    rto_s: float | None = None  # measured by the last restart
+    rto_estimate_s: float | None = None
+    rto_budget_s: float | None = None
+    resume: str | None = None  # the last resume's verdict (exact, within tolerance, diverged, checking)
+
+    def rto(self) -> str | None:
+        """``RTO 15.4 s (est 12.0 s, budget 30.0 s)``; None when nothing is known."""
+        if self.rto_s is None and self.rto_estimate_s is None:
+            return None
+        known = [f"est {format_duration(self.rto_estimate_s)}"] if self.rto_estimate_s is not None else []
+        known += [f"budget {format_duration(self.rto_budget_s)}"] if self.rto_budget_s is not None else []
+        head = f"RTO {format_duration(self.rto_s)}" if self.rto_s is not None else known.pop(0).replace("est", "RTO est")
+        return head + (f" ({', '.join(known)})" if known else "")
 
     def line(self) -> str:
         step = "-" if self.step is None else f"{self.step}" + (f"/{self.total}" if self.total else "")
@@ -32,6 +48,7 @@ class Status:
             parts.append(f"{self.samples_per_s:,.0f} samples/s")
         parts.append(f"snapshot {'-' if self.snapshot_step is None else self.snapshot_step}")
         parts.append(f"restarts {self.restarts}")
+        parts += [text for text in (self.rto(), self.resume and f"resume {self.resume}") if text]
         return "ckptrun: " + " | ".join(parts)
 
 

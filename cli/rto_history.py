@@ -182,3 +182,14 @@ def setup_and_first_step(events: list[dict[str, Any]], metrics: list[dict[str, A
     values = [records[0].get("step_time_s") for attempt, records in by_attempt(metrics).items() if attempt not in restored]
     present = [v for v in values if isinstance(v, (int, float))]
     return median(present), len(present)
+
+
+def launch_to_first_step(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """From ``attempt_start`` to the end of the first step, in attempts that restored nothing: a measured
+    relaunch without the restore (process start, imports, process group, the script's set-up, one step)."""
+    restored = restored_attempts(events)
+    started = {int(e["attempt"]): float(e["time"]) for e in events
+               if e.get("event") == "attempt_start" and "attempt" in e and _number(e.get("time")) is not None}
+    values = [float(records[0]["time"]) - started[attempt] for attempt, records in by_attempt(metrics).items()
+              if attempt in started and attempt not in restored and _number(records[0].get("time")) is not None]
+    return median(v for v in values if v >= 0), len(values)

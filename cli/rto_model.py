@@ -55,6 +55,11 @@ def cost_per_failure(rto: float, tau: float, delta: float, w: float = 0.0) -> fl
     return rto + (tau + delta) / 2 + w
 
 
+def max_interval(budget: float, rto: float, delta: float, w: float = 0.0) -> float:
+    """The longest τ whose expected cost per failure fits ``budget``: RTO + (τ+δ)/2 + w ≤ B ⇔ τ ≤ 2(B − RTO − w) − δ."""
+    return 2 * (budget - rto - w) - delta
+
+
 def goodput(tau: float, delta: float, w: float, rto: float, mtbf: float) -> float:
     """G = τ/(τ+δ) · (1 − (RTO + (τ+δ)/2 + w)/M), floored at 0 (failures faster than recovery)."""
     if tau + delta <= 0:

@@ -21,6 +21,7 @@ from typing import Any
 from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, CkptrunError
 from ckptrun.cli.policy import RestartPolicy, Timeouts
 from ckptrun.cli.progress import Progress
+from ckptrun.cli.recovery import RecoveryOptions
 from ckptrun.cli.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, unique_run_dir
 from ckptrun.cli.spec import LaunchSpec, RunRecord, read_run_record, write_run_record
 from ckptrun.cli.supervisor import Outcome, Snapshot, StopControl, Supervisor
@@ -141,7 +142,8 @@ def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume
     stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
     policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
     timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)
-    supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume)
+    checks = RecoveryOptions(spec.deterministic, spec.require_exact_resume, spec.rto_budget, spec.strict_budget)
+    supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume, checks)
     paths.stop_file.unlink(missing_ok=True)
     progress.say(f"run {record.run_id} in {paths.root} (logs: {paths.logs})")
     with _stop_signals(stop, spec.stop_signal):

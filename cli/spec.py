@@ -11,30 +11,29 @@ Importable without torch.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import time
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ckptrun.cli import durations
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
 from ckptrun.runtime.faults import FaultSpecError, parse_faults
 
 RUN_JSON = "run.json"
-DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(s|m|h|d)?\s*$")
-UNITS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+DEFAULT_MTBF_S = 86400.0  # --mtbf: one failure a day, a common figure for a multi-node job
 
 
 def parse_duration(value: Any) -> Any:
-    """``90``, ``"90s"``, ``"15m"``, ``"2h"`` → seconds (other types pass through to validation)."""
+    """``90``, ``"90s"``, ``"1ms"``, ``"15m"``, ``"3h50m"`` → seconds (other types pass through to validation)."""
     if isinstance(value, str):
-        match = DURATION_RE.match(value)
-        if not match:
-            raise ValueError(f"{value!r} is not a duration; use seconds or a number with s, m, h or d (e.g. 90, 15m, 2h)")
-        return float(match.group(1)) * UNITS[match.group(2)]
+        try:
+            return durations.parse_duration(value)
+        except durations.DurationError as exc:
+            raise ValueError(str(exc)) from None
     return value
 
 
@@ -62,6 +61,8 @@ class LaunchSpec(BaseModel):
     precision: Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"] = Field("auto", description="Precision policy.")
     save_every_steps: int | None = Field(None, ge=1, description="Save a snapshot every N optimizer steps.")
     save_every_seconds: float | None = Field(None, gt=0, description="Save when this long passed since the last save.")
+    save_every: Literal["auto"] | None = Field(None, description="auto: the time between saves follows Daly's formula from the measured save cost and --mtbf.")
+    mtbf: float = Field(DEFAULT_MTBF_S, gt=0, description="Mean time between failures of the job, for --save-every auto.")
     keep_last: int = Field(3, ge=1, description="Verified snapshots kept besides milestones.")
     keep_every: int | None = Field(None, ge=1, description="Snapshots at multiples of M steps are kept forever.")
     async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
@@ -84,9 +85,13 @@ class LaunchSpec(BaseModel):
     grace_period: float = Field(60.0, gt=0, description="Time to save and exit after a stop request, and SIGTERM→SIGKILL wait.")
     time_limit: float | None = Field(None, gt=0, description="Wall-clock budget: a stop is asked grace-period seconds before it.")
     stop_signal: str | None = Field(None, description="Extra signal that means 'save and stop' (e.g. SIGUSR1 for Slurm).")
+    # --- recovery checks ---
+    rto_budget: float | None = Field(None, gt=0, description="Recovery-time budget: the RTO is estimated after the first snapshot; over it, a warning.")
+    strict_budget: bool = Field(False, description="Stop the run (exit 1) when the RTO estimate exceeds --rto-budget.")
+    require_exact_resume: bool = Field(False, description="End the run (exit 4) when a resume's replayed losses diverge from the originals.")
 
     _durations = field_validator("time_limit", "grace_period", "heartbeat_timeout", "startup_timeout",
-                                 "save_timeout", "save_every_seconds", mode="before")(parse_duration)
+                                 "save_timeout", "save_every_seconds", "mtbf", "rto_budget", mode="before")(parse_duration)
 
     @field_validator("nproc_per_node", "nnodes", mode="before")
     @classmethod
@@ -136,6 +141,15 @@ class LaunchSpec(BaseModel):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @model_validator(mode="after")
+    def _combinations(self) -> "LaunchSpec":
+        if self.strict_budget and self.rto_budget is None:
+            raise ValueError("--strict-budget needs --rto-budget DURATION (e.g. --rto-budget 5m)")
+        if self.save_every == "auto" and (self.save_every_seconds is not None or self.save_every_steps is not None):
+            raise ValueError("--save-every auto chooses the interval itself; drop --save-every-seconds and "
+                             "--save-every-steps (or --save-every auto)")
+        return self
+
     # --- derived ---
 
     @property
@@ -157,6 +171,8 @@ def _one_line(exc: ValidationError, source: dict[str, Any], config: Path | None,
     first = exc.errors()[0]
     field = str(first["loc"][0]) if first["loc"] else ""
     message = first["msg"].removeprefix("Value error, ")
+    if not first["loc"]:  # a combination of options
+        return CkptrunError(message, "see `ckptrun launch --help`")
     if first["type"] == "extra_forbidden":
         where = f"{config}: unknown key {field!r}" if config else f"unknown option {flag_name(field)}"
         return CkptrunError(where, f"known keys: {', '.join(LaunchSpec.model_fields)}")

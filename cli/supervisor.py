@@ -5,7 +5,10 @@ FAILED (a rank crashed), STALLED (ranks stopped beating: a hang) or, after a
 stop request, STOPPING → STOPPED. After FAILED/STALLED the restart policy
 says restart (from the newest snapshot the world verified) or give up with
 an exit code (design §4). There is exactly one restart counter; torchrun runs
-with ``--max-restarts 0``.
+with ``--max-restarts 0``. Recovery checks (:mod:`ckptrun.cli.recovery`) may
+end a run too: an RTO estimate over ``--strict-budget`` (a stop, exit 1), a
+diverged resume under ``--require-exact-resume`` (the ranks are killed
+without saving the suspect state, exit 4).
 
 Everything the supervisor observes or does goes through a :class:`World`
 (launch, observe, tear down, verify, the clock, sleeping), so unit tests
@@ -20,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_STOPPED
+from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_STOPPED, EXIT_UNRECOVERABLE
 from ckptrun.cli.failures import RankFailure, describe_failure, root_cause
 from ckptrun.cli.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect, stale_ranks,
                                 waiting_on_peers)
+from ckptrun.cli.recovery import Recovery, RecoveryOptions, relaunch_parts
 from ckptrun.runtime.records import Heartbeat
 
 
@@ -56,6 +60,9 @@ class Observation:
     last_step: int | None = None  # newest step in this attempt's metrics
     last_step_time: float | None = None
     stop_file: bool = False  # RUN_DIR/stop exists (e.g. `ckptrun stop`)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # this attempt's step records since the last poll
+    snapshot_step: int | None = None  # newest snapshot this attempt saved
+    rto_estimate: dict[str, Any] | None = None  # an estimate asked for with request_estimate, once it is done
 
 
 @dataclass(frozen=True)
@@ -81,10 +88,12 @@ class World(Protocol):
     def teardown(self) -> float: ...
     def newest_snapshot(self) -> Snapshot | None: ...
     def request_stop(self) -> None: ...
+    def request_estimate(self, backoff_s: float) -> None: ...
+    def late_steps(self) -> list[dict[str, Any]]: ...
     def stop_file_present(self) -> bool: ...
     def event(self, name: str, **fields: Any) -> None: ...
     def say(self, line: str) -> None: ...
-    def show_progress(self, attempt: int, restarts: int, observation: Observation) -> None: ...
+    def show_progress(self, attempt: int, restarts: int, observation: Observation, recovery: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -142,7 +151,7 @@ class Supervisor:
     """Runs attempts until the job succeeds, stops, or the policy gives up."""
 
     def __init__(self, world: World, policy: RestartPolicy, timeouts: Timeouts, stop: StopControl,
-                 first_attempt: int = 1, resume: Snapshot | None = None) -> None:
+                 first_attempt: int = 1, resume: Snapshot | None = None, recovery: RecoveryOptions | None = None) -> None:
         self.world, self.policy, self.timeouts, self.stop = world, policy, timeouts, stop
         self.first_attempt, self.resume = first_attempt, resume
         self.restarts = 0  # the one restart counter
@@ -150,6 +159,8 @@ class Supervisor:
         self.runtime_seen = False
         self.plain_notice_given = False
         self.pending_restart: dict[str, Any] | None = None
+        self.recovery = Recovery(recovery)
+        self.abort: GiveUp | None = None  # a recovery check ended the run
 
     # --- the loop -------------------------------------------------------------
 
@@ -157,6 +168,8 @@ class Supervisor:
         attempt, resume = self.first_attempt, self.resume
         while True:
             watch = self.run_attempt(attempt, resume)
+            if self.abort is not None:
+                return self._aborted(watch, self.abort)
             if watch.state is State.SUCCEEDED:
                 return self._done(watch)
             if watch.state is State.STOPPED:
@@ -171,20 +184,23 @@ class Supervisor:
 
     def run_attempt(self, attempt: int, resume: Snapshot | None) -> AttemptWatch:
         watch = AttemptWatch(attempt, self.world.now(), resume)
+        self.recovery.new_attempt()
         self.world.launch(attempt, resume.path if resume else None)
         self.world.event("attempt_start", attempt=attempt, restarts=self.restarts,
                          resume_from=str(resume.path) if resume else None, snapshot_step=resume.step if resume else None)
         while True:
             observation = self.world.observe()
-            self.world.show_progress(attempt, self.restarts, observation)
+            self.world.show_progress(attempt, self.restarts, observation, self.recovery.status())
             if self.step(watch, observation):
-                self._log_pending_restart(watch)
+                self._log_pending_restart(watch, final=True)
                 return watch
             self.world.sleep(self.timeouts.poll)
 
     def step(self, watch: AttemptWatch, obs: Observation) -> bool:
         """Advance the state machine by one observation; True when the attempt is over."""
         self._note(watch, obs)
+        if self._check_recovery(watch, obs):
+            return True
         if watch.state is not State.STOPPING:
             reason = self.stop.reason(obs.time, obs.stop_file)
             if reason:
@@ -220,7 +236,31 @@ class Supervisor:
             watch.first_step_time = obs.first_step_time
             if watch.state is State.STARTING:
                 watch.state = State.HEALTHY
-            self._log_pending_restart(watch)
+
+    def _check_recovery(self, watch: AttemptWatch, obs: Observation) -> bool:
+        """The RTO budget and the resume check; True when a diverged resume ends the attempt now."""
+        recovery = self.recovery
+        recovery.note(obs.steps, obs.snapshot_step)
+        if recovery.wants_estimate(watch.attempt, obs.snapshot_step, self.pending_restart is not None):
+            self.world.request_estimate(self.policy.delay(self.restarts + 1))
+        if obs.rto_estimate is not None:
+            stop = recovery.estimated(self.world, watch.attempt, obs.rto_estimate)
+            if stop is not None and self.abort is None and watch.state is not State.STOPPING:
+                self.abort = stop
+                self._begin_stop(watch, "the RTO estimate is over --rto-budget (--strict-budget)", obs.time)
+        self._log_pending_restart(watch)
+        if self.abort is not None or not (recovery.options.require_exact_resume and recovery.diverged()):
+            return False
+        self.abort = GiveUp(EXIT_UNRECOVERABLE, "the resumed run diverged from the original (--require-exact-resume)",
+                            "some state was not restored (RNG, data position, optimizer): see the restart event in "
+                            "events.jsonl; the snapshot is kept, nothing after the divergence was saved")
+        self._log_pending_restart(watch, final=True)
+        if obs.agent_exit is not None:
+            return False
+        self.world.say("the resume diverged: killing the ranks without saving")
+        watch.teardown_s = self.world.teardown()
+        watch.state, watch.forced = State.STOPPED, True
+        return True
 
     def _plain_script_notice(self) -> None:
         if not self.plain_notice_given:
@@ -321,13 +361,14 @@ class Supervisor:
         if not self._wait(verdict.delay):
             return False
         lost = (watch.last_step - (snapshot.step if snapshot else 0)) if watch.last_step is not None else None
+        self.recovery.note(self.world.late_steps(), None)  # records read while the attempt ended
+        self.recovery.restarting(snapshot.step if snapshot else None)
         failure = watch.failure or {}
         self.pending_restart = {
             "attempt": watch.attempt + 1, "restarts": self.restarts, "cause": failure.get("cause"),
             "snapshot": str(snapshot.path) if snapshot else None, "snapshot_step": snapshot.step if snapshot else None,
             "lost_steps": lost, "detect_s": failure.get("detect_s"), "teardown_s": watch.teardown_s,
             "verify_s": snapshot.verify_s if snapshot else 0.0, "backoff_s": verdict.delay,
-            "relaunched_at": None,
         }
         where = f"snapshot step {snapshot.step}" if snapshot else "the start (no verified snapshot)"
         self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} from {where}")
@@ -344,18 +385,19 @@ class Supervisor:
             self.world.sleep(min(self.timeouts.poll, max(0.0, deadline - self.world.now())))
         return True
 
-    def _log_pending_restart(self, watch: AttemptWatch) -> None:
-        """The restart event, once the relaunched attempt's first step (or its end) shows the last RTO part."""
+    def _log_pending_restart(self, watch: AttemptWatch, final: bool = False) -> None:
+        """The restart event: the RTO parts once the relaunched attempt's first step shows the last one, the
+        resume check once the replayed steps and the throughput window are seen — or whatever is known when
+        the attempt ends (``final``)."""
         pending = self.pending_restart
         if pending is None or pending["attempt"] != watch.attempt:
             return
+        if "relaunch_to_first_step_s" not in pending and (watch.first_step_time is not None or final):
+            pending.update(relaunch_parts(watch.launched, watch.first_step_time, self.world.attempt_events("restored")))
+        if not final and (watch.first_step_time is None or not self.recovery.settled()):
+            return
         self.pending_restart = None
-        parts = relaunch_parts(watch, self.world.attempt_events("restored"))
-        fields = {k: v for k, v in pending.items() if k != "relaunched_at"}
-        known = [fields.get(k) for k in ("detect_s", "teardown_s", "verify_s", "backoff_s")]
-        total = sum(v for v in known if v) + (parts.get("relaunch_to_first_step_s") or 0.0)
-        self.world.event("restart", **fields, **parts,
-                         rto_s=total if parts.get("relaunch_to_first_step_s") is not None else None)
+        self.recovery.log_restart(self.world, pending)
 
     # --- outcomes -----------------------------------------------------------------
 
@@ -378,6 +420,12 @@ class Supervisor:
         return Outcome(EXIT_STOPPED, f"stopped; newest verified snapshot: step {snapshot.step}",
                        "continue with `ckptrun resume --latest`", attempts, self.restarts)
 
+    def _aborted(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
+        """A recovery check ended the run: an RTO over a strict budget, a diverged resume."""
+        self.world.event("gave_up", attempt=watch.attempt, exit_code=verdict.code, reason=verdict.reason,
+                         restarts=self.restarts)
+        return Outcome(verdict.code, verdict.reason, verdict.hint, watch.attempt - self.first_attempt + 1, self.restarts)
+
     def _give_up(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
         failure = watch.failure or {}
         self.world.event("gave_up", attempt=watch.attempt, exit_code=verdict.code, reason=verdict.reason,
@@ -386,16 +434,3 @@ class Supervisor:
         hint = verdict.hint + (f"; full traceback in {log}" if log and failure.get("exception") else "")
         return Outcome(verdict.code, f"{verdict.reason}: {describe_failure(failure)}", hint,
                        watch.attempt - self.first_attempt + 1, self.restarts)
-
-
-def relaunch_parts(watch: AttemptWatch, restored: list[dict[str, Any]]) -> dict[str, float | None]:
-    """relaunch_to_first_step_s and its parts: start-up (processes, imports, process group), restore, first step."""
-    first = watch.first_step_time
-    parts: dict[str, float | None] = {"relaunch_to_first_step_s": (first - watch.launched) if first else None}
-    if restored:
-        event = restored[-1]
-        restore_s = float(event.get("seconds", 0.0))
-        restore_start = float(event["time"]) - restore_s
-        parts.update(startup_s=restore_start - watch.launched, restore_s=restore_s,
-                     first_step_s=(first - float(event["time"])) if first else None)
-    return parts

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,9 @@ class LocalWorld:
         self.last_metric: dict[str, Any] | None = None
         self.rate_base: dict[str, Any] | None = None
         self.snapshot_step: int | None = None
+        self.new_steps: list[dict[str, Any]] = []  # step records since the last observe()
+        self.attempt_snapshot: int | None = None  # newest snapshot this attempt saved
+        self.estimates: list[dict[str, Any]] = []  # finished RTO estimates, handed over by observe()
         self.supervisor = psutil.Process()
 
     # --- clock ---
@@ -110,13 +114,23 @@ class LocalWorld:
             save_every_seconds=spec.save_every_seconds, keep_last=spec.keep_last, keep_every=spec.keep_every,
             async_save=spec.async_save, save_overlap=spec.save_overlap, max_failed_saves=spec.max_failed_saves, heartbeat_interval=spec.heartbeat_interval, seed=spec.seed,
             deterministic=spec.deterministic, threads=spec.threads, hash_algorithm=spec.hash_algorithm,
-            allow_changes=tuple(spec.allow_changes), fault=spec.inject_fault,
+            allow_changes=tuple(spec.allow_changes), fault=spec.inject_fault, save_every_auto=spec.save_every == "auto",
+            mtbf_seconds=spec.mtbf, save_interval_cap_seconds=self._interval_cap(),
         )
+
+    def _interval_cap(self) -> float | None:
+        """``--save-every auto`` with ``--rto-budget``: the longest interval that keeps a failure within budget."""
+        if self.spec.save_every != "auto":
+            return None
+        from ckptrun.cli.rto_launch import interval_cap
+
+        return interval_cap(self.paths.root, self.spec.rto_budget)
 
     def launch(self, attempt: int, resume_from: Path | None) -> None:
         self.attempt, self.launched = attempt, time.time()
         self.metrics, self.events = JsonlTail(self.metrics.path), JsonlTail(self.events.path)
         self.attempt_log, self.first_step_time, self.last_metric, self.rate_base = [], None, None, None
+        self.new_steps, self.attempt_snapshot = [], None
         log_dir = self.paths.attempt_logs(attempt)
         log_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
@@ -133,6 +147,9 @@ class LocalWorld:
         for rank in process.discover_ranks():
             obs.ranks[rank] = RankView(alive=process.alive(rank), beat=beats.get(rank))
         self._read_tails()
+        obs.steps, self.new_steps = self.new_steps, []
+        obs.snapshot_step = self.attempt_snapshot
+        obs.rto_estimate = self.estimates.pop(0) if self.estimates else None
         obs.first_step_time = self.first_step_time
         if self.last_metric is not None:
             obs.last_step = int(self.last_metric["step"])
@@ -147,10 +164,17 @@ class LocalWorld:
                 self.first_step_time = float(record.get("time", time.time()))
                 self.rate_base = record
             self.last_metric = record
+            self.new_steps.append(record)
         for record in self.events.read():
             self.attempt_log.append(record)
             if record.get("event") == "snapshot_saved":
-                self.snapshot_step = record.get("step")
+                self.snapshot_step = self.attempt_snapshot = record.get("step")
+
+    def late_steps(self) -> list[dict[str, Any]]:
+        """Step records read after the last observation (while the attempt ended)."""
+        self._read_tails()
+        steps, self.new_steps = self.new_steps, []
+        return steps
 
     def attempt_events(self, name: str) -> list[dict[str, Any]]:
         self._read_tails()
@@ -213,14 +237,27 @@ class LocalWorld:
     def request_stop(self) -> None:
         self.paths.stop_file.touch()
 
+    def request_estimate(self, backoff_s: float) -> None:
+        """Estimate the RTO on a thread (it hashes and reads the newest snapshot); observe() hands it over."""
+        from ckptrun.cli.rto_launch import estimate
+
+        def work() -> None:
+            try:
+                result = estimate(self.paths.root, backoff_s, self.spec.rto_budget)
+            except Exception as exc:  # noqa: BLE001 - an estimate must never take the supervisor down
+                result = {"error": getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"}
+            self.estimates.append(result)
+
+        threading.Thread(target=work, name="ckptrun-rto-estimate", daemon=True).start()
+
     def event(self, name: str, **fields: Any) -> None:
         records.log_event(self.paths.root, name, **fields)
 
     def say(self, line: str) -> None:
         self.progress.say(line)
 
-    def show_progress(self, attempt: int, restarts: int, observation: Observation) -> None:
-        status = Status(attempt=attempt, restarts=restarts, snapshot_step=self.snapshot_step)
+    def show_progress(self, attempt: int, restarts: int, observation: Observation, recovery: dict[str, Any]) -> None:
+        status = Status(attempt=attempt, restarts=restarts, snapshot_step=self.snapshot_step, **recovery)
         metric = self.last_metric
         if metric is not None:
             status.step, status.loss = int(metric["step"]), metric.get("loss")

@@ -6,7 +6,9 @@ Importable without torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import statistics
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 
@@ -24,6 +26,62 @@ class SaveCadence:
     def time_due(self, now: float, last_save: float) -> bool:
         """The clock part: decided on rank 0 only and shared (clocks of ranks differ)."""
         return self.every_seconds is not None and now - last_save >= self.every_seconds
+
+
+def daly(delta: float, mtbf: float) -> float:
+    """Daly's interval √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M.
+
+    The same formula as ``ckptrun.cli.rto_model.daly`` (the runtime never imports
+    ``cli/``); a test keeps the two equal.
+    """
+    if delta >= 2 * mtbf:
+        return mtbf
+    ratio = delta / (2 * mtbf)
+    return math.sqrt(2 * delta * mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - delta
+
+
+@dataclass
+class AutoCadence:
+    """``--save-every auto``: seconds between saves = Daly(δ, M), at most ``cap``; rank 0 keeps it.
+
+    δ is what a save costs the training loop (the stall of an async save, the
+    whole of a sync one), the median of the last ``window`` measured saves: the
+    first save also allocates its staging buffers, and one slow save must not
+    set the pace. Before the first measurement a save is due at the first step
+    boundary (``interval`` 0: a measured δ beats a guess), then none until its
+    cost is known (``interval`` None). A change under 1% is not applied, so
+    each applied change is one ``cadence`` event.
+    """
+
+    mtbf: float
+    cap: float | None = None
+    window: int = 9
+    stalls: list[float] = field(default_factory=list)
+    interval: float | None = 0.0
+
+    def started(self) -> None:
+        """A save began: until the first cost is known no other is due."""
+        if not self.stalls:
+            self.interval = None
+
+    def failed(self) -> None:
+        """A save failed before any was measured: try again at the next step boundary."""
+        if not self.stalls:
+            self.interval = 0.0
+
+    def measured(self, stall: float) -> dict[str, Any] | None:
+        """Record one save's cost δ; the new cadence (the event's fields) when the interval changes."""
+        self.stalls = (self.stalls + [stall])[-self.window:]
+        delta = statistics.median(self.stalls)
+        best = daly(delta, self.mtbf)
+        interval, reason = best, f"Daly(median δ of {len(self.stalls)} save(s), M)"
+        if self.cap is not None and best > self.cap:
+            interval, reason = self.cap, "capped: the cost per failure stays within --rto-budget"
+        if self.interval and abs(interval - self.interval) <= 0.01 * self.interval:
+            return None
+        self.interval = interval
+        return {"interval_s": interval, "stall_s": delta, "mtbf_s": self.mtbf, "daly_s": best, "cap_s": self.cap,
+                "reason": reason, "saves_measured": len(self.stalls)}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import hashlib
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,7 +28,7 @@ from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.fault_injection import FaultInjector
 from ckptrun.runtime.faults import parse_faults
 from ckptrun.runtime.liveness import Heartbeater
-from ckptrun.runtime.policies import FailedSaves, Retention, SaveCadence, refused_changes
+from ckptrun.runtime.policies import AutoCadence, FailedSaves, Retention, SaveCadence, refused_changes
 from ckptrun.runtime.retention import apply_retention
 from ckptrun.runtime.precision import Policy
 from ckptrun.runtime.saver import Saver
@@ -79,7 +80,8 @@ class Run:
         self.step = 0
         self.total_steps: int | None = None
         self.objects: dict[str, Any] = {}
-        self.cadence = SaveCadence(env.save_every_steps, env.save_every_seconds)
+        self.auto = AutoCadence(env.mtbf_seconds, env.save_interval_cap_seconds) if env.save_every_auto else None
+        self.cadence = SaveCadence(env.save_every_steps, self.auto.interval if self.auto else env.save_every_seconds)
         self.retention = Retention(env.keep_last, env.keep_every)
         self.failed_saves = FailedSaves(env.max_failed_saves)
         self.faults = FaultInjector(parse_faults(env.fault), self.rank, env.attempt)
@@ -392,6 +394,9 @@ class Run:
             records.log_event(self.run_dir, "save_waited", step=step, seconds=waited)
         self.saver.begin(self._collect(), self._info(), fault=lambda phase: self.faults.during_save(step, phase),
                          on_result=self._on_save_result, waited=waited)
+        if self.auto is not None:
+            self.auto.started()
+            self.cadence = replace(self.cadence, every_seconds=self.auto.interval)
         self.last_save_time = time.monotonic()
         self.saved_step, self.parent = step, store.snapshot_name(step)
         self._settle_saves(wait=not self.env.async_save)
@@ -422,6 +427,22 @@ class Run:
                 self.saved_step, self.parent = None, self.published
             if self.failed_saves.record(result.ok):
                 self.save_budget_spent = f"{self.failed_saves.consecutive} consecutive saves failed (last: {result.error})"
+            if self.rank == 0:
+                self._retune(result)
+
+    def _retune(self, result: snapshot.SaveResult) -> None:
+        """``--save-every auto`` on rank 0 (whose clock decides, shared by the step's all-reduce): the time
+        between saves follows Daly from this save's cost δ — the stall of an async save, the whole sync one."""
+        auto, change = self.auto, None
+        if auto is None:
+            return
+        if result.ok:
+            change = auto.measured(result.stall_s + (0.0 if result.asynchronous else result.persist_s + result.publish_s))
+        else:
+            auto.failed()
+        self.cadence = replace(self.cadence, every_seconds=auto.interval)
+        if change is not None:
+            records.log_event(self.run_dir, "cadence", step=self.step, attempt=self.env.attempt, **change)
 
     def _collect(self) -> snapshot.State:
         trees, tensors = {}, {}

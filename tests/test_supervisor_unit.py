@@ -2,130 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
+from supervisor_helpers import (STACK_IN_SCRIPT, STACK_IN_TORCH, T0, TIMEOUTS, ScriptedWorld, beat, supervisor,
+                                training)
 
 from ckptrun.cli.failures import RankFailure, root_cause
-from ckptrun.cli.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect, stale_ranks,
-                                waiting_on_peers)
-from ckptrun.cli.supervisor import Observation, RankView, Snapshot, StopControl, Supervisor
-from ckptrun.runtime.records import Heartbeat
-
-T0 = 1000.0
-
-
-def beat(rank: int, step: int, time: float, phase: str = "train", attempt: int = 1) -> Heartbeat:
-    return Heartbeat(rank=rank, pid=100 + rank, attempt=attempt, step=step, phase=phase, time=time)
-
-
-def training(time: float, step: int, ranks: int = 2, first_step: float | None = T0 + 3, **kw: Any) -> Observation:
-    views = {r: RankView(True, beat(r, step, time - 0.5)) for r in range(ranks)}
-    return Observation(time=time, ranks=views, first_step_time=first_step, last_step=step, last_step_time=time - 0.5, **kw)
-
-
-@dataclass
-class ScriptedWorld:
-    """A world whose observations, failures and snapshots are scripted per attempt."""
-
-    script: dict[int, list[Observation]]
-    failures_by_attempt: dict[int, list[RankFailure]] = field(default_factory=dict)
-    events_by_attempt: dict[int, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
-    snapshots: list[Snapshot | None] = field(default_factory=list)
-    fatal: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
-    stop_signal_after: tuple[int, int] | None = None  # (attempt, poll index): a signal arrives then
-    stop: StopControl | None = None
-    clock: float = T0
-    attempt: int = 0
-    poll: int = 0
-    launches: list[tuple[int, Path | None]] = field(default_factory=list)
-    logged: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    said: list[str] = field(default_factory=list)
-    teardowns: int = 0
-    dumped: list[list[int]] = field(default_factory=list)
-    stop_requests: int = 0
-
-    def now(self) -> float:
-        return self.clock
-
-    def sleep(self, seconds: float) -> None:
-        self.clock += seconds
-
-    def launch(self, attempt: int, resume_from: Path | None) -> None:
-        self.attempt, self.poll = attempt, 0
-        self.launches.append((attempt, resume_from))
-
-    def observe(self) -> Observation:
-        observations = self.script[self.attempt]
-        obs = observations[min(self.poll, len(observations) - 1)]
-        if self.stop_signal_after == (self.attempt, self.poll) and self.stop:
-            self.stop.signals += 1
-        self.poll += 1
-        self.clock = max(self.clock, obs.time)
-        return obs
-
-    def failures(self) -> tuple[list[RankFailure], str | None]:
-        return self.failures_by_attempt.get(self.attempt, []), None
-
-    def fatal_records(self) -> list[dict[str, Any]]:
-        return self.fatal.get(self.attempt, [])
-
-    def attempt_events(self, name: str) -> list[dict[str, Any]]:
-        return self.events_by_attempt.get(self.attempt, {}).get(name, [])
-
-    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        self.dumped.append(ranks)
-        return {r: STACK_IN_SCRIPT if r == 0 else STACK_IN_TORCH for r in ranks}
-
-    def teardown(self) -> float:
-        self.teardowns += 1
-        return 0.5
-
-    def newest_snapshot(self) -> Snapshot | None:
-        return self.snapshots.pop(0) if self.snapshots else None
-
-    def request_stop(self) -> None:
-        self.stop_requests += 1
-
-    def stop_file_present(self) -> bool:
-        return False
-
-    def event(self, name: str, **fields: Any) -> None:
-        self.logged.append((name, fields))
-
-    def say(self, line: str) -> None:
-        self.said.append(line)
-
-    def show_progress(self, attempt: int, restarts: int, observation: Observation) -> None:
-        pass
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [fields for event, fields in self.logged if event == name]
-
-
-STACK_IN_SCRIPT = """Thread 0x1 (most recent call first):
-  File "/usr/lib/python3.11/threading.py", line 327 in wait
-
-Current thread 0x2 (most recent call first):
-  File "/w/runtime/session.py", line 98 in _fire
-  File "/w/train.py", line 77 in <module>
-  File "<frozen runpy>", line 198 in _run_module_as_main
-"""
-STACK_IN_TORCH = """Current thread 0x2 (most recent call first):
-  File "/v/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward
-  File "/w/train.py", line 77 in <module>
-"""
-
-TIMEOUTS = Timeouts(heartbeat=5.0, startup=60.0, save=120.0, grace=30.0, poll=0.2)
-
-
-def supervisor(world: ScriptedWorld, max_restarts: int = 3, stop: StopControl | None = None, **kw: Any) -> Supervisor:
-    stop = stop or StopControl()
-    world.stop = stop
-    return Supervisor(world, RestartPolicy(max_restarts, backoff=1.0, backoff_cap=4.0), TIMEOUTS, stop, **kw)
-
+from ckptrun.cli.policy import GiveUp, Restart, RestartFacts, RestartPolicy, pick_suspect, stale_ranks, waiting_on_peers
+from ckptrun.cli.supervisor import Observation, RankView, Snapshot, StopControl
 
 SNAP15 = Snapshot(Path("/ckpt/step-000000015"), 15, verify_s=0.1)
 

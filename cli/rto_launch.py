@@ -1,0 +1,87 @@
+"""The recovery estimate ``ckptrun launch --rto-budget`` makes while the run trains, and the auto-save cap.
+
+Cheap by construction: no probe and no no-op launch (either would compete
+with training for the machine). Each component is the one ``estimate-rto``
+computes (:mod:`ckptrun.cli.rto_components`), from this run's history or
+measured now: detect and teardown from past restarts, else the poll interval
+and the grace period as bound; verify timed on the newest snapshot now; the
+back-off the next restart will wait; restart from past restarts, else this
+run's own launch to first step (an attempt that restored nothing measured
+start-up, imports, process group, the script's set-up and one step) plus the
+restore as the snapshot's bytes ÷ read bandwidth measured now. The supervisor
+runs :func:`estimate` on a thread of its own, off its polling path.
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckptrun.cli import rto_components as parts
+from ckptrun.cli import rto_history as hist
+from ckptrun.cli import rto_measure as measure
+from ckptrun.cli.durations import format_duration as fmt
+from ckptrun.cli.rto_model import (CONFIGURED, ESTIMATED, RTO_PARTS, Component, budget_verdict, cost_per_failure,
+                                   max_interval, total)
+from ckptrun.runtime import records
+
+
+def estimate(run_dir: Path, backoff_s: float, budget_s: float | None) -> dict[str, Any]:
+    """The RTO now, each component with its source, and the verdict against ``budget_s`` (the event's fields)."""
+    from ckptrun.cli.estimate_rto import find_target
+
+    target = find_target(run_dir)
+    checked = parts.verify(target)  # first: a fallback changes the snapshot the rest is about
+    components = {
+        "detect": parts.detect(target),
+        "teardown": parts.teardown(target, None),
+        "verify": checked,
+        "backoff": Component("backoff", backoff_s, CONFIGURED, "the wait before the next restart (--restart-backoff, doubling)"),
+        "restart": restart(target),
+    }
+    rto = total(components)
+    pace = parts.cadence(target)
+    fields: dict[str, Any] = {
+        "snapshot_step": target.manifest.step,
+        "components": {name: {"value_s": c.value_s, "source": c.source, "detail": c.detail} for name, c in components.items()},
+        "rto_s": rto, "budget_s": budget_s, "ok": None, "largest": None,
+        "cost_per_failure_s": cost_per_failure(rto, pace.interval_s, pace.stall_s, pace.persist_s)
+        if rto is not None and pace.interval_s is not None else None,
+    }
+    if budget_s is not None and rto is not None:
+        verdict = budget_verdict({name: float(components[name].value_s or 0.0) for name in RTO_PARTS}, budget_s)
+        fields.update(ok=verdict.ok, largest=verdict.largest)
+    return fields
+
+
+def restart(target: parts.Target) -> Component:
+    """Past restarts when there are any; else this run's own first launch plus the restore estimated now."""
+    if any(isinstance(r.get("relaunch_to_first_step_s"), (int, float)) for r in target.restarts):
+        return parts.restart(target, False, target.manifest.world_size, None)
+    launch, count = hist.launch_to_first_step(target.events, target.metrics)
+    bandwidth, _, resident = measure.read_bandwidth(target.snapshot, target.manifest)
+    restore = target.manifest.total_bytes / bandwidth
+    how = (f"restore {fmt(restore)} (bytes at {bandwidth / 1e9:.2f} GB/s read, {measure.cache_words(resident)})")
+    if launch is None:
+        return Component("restart", restore, ESTIMATED, how + "; start-up not included (no attempt reached a step yet)")
+    return Component("restart", launch + restore, ESTIMATED,
+                     f"this run's launch to first step {fmt(launch)} (history, {count} attempt(s)) + {how}")
+
+
+def interval_cap(run_dir: Path, budget_s: float | None) -> float | None:
+    """The longest ``--save-every auto`` interval that keeps a failure's expected cost within the budget.
+
+    From the latest ``rto_estimate`` and the measured saves in the run's events:
+    τ ≤ 2(B − RTO − w) − δ. Before any estimate (the first attempt) only the
+    lost work is bounded (τ ≤ 2B). None without a budget, or when the RTO alone
+    leaves no room (the estimate's warning says so).
+    """
+    if budget_s is None:
+        return None
+    events = records.read_events(run_dir)
+    estimates = [e for e in events if e.get("event") == "rto_estimate" and isinstance(e.get("rto_s"), (int, float))]
+    rto = float(estimates[-1]["rto_s"]) if estimates else 0.0
+    saves = hist.save_facts(events)
+    cap = max_interval(budget_s, rto, saves.stall_s or 0.0, saves.persist_s)
+    return cap if cap > 0 else None

@@ -1,0 +1,92 @@
+"""`ckptrun launch` recovery checks end to end, real torchrun: the resume verdict, `--save-every auto`, `--rto-budget`.
+
+Three runs of the embedded default job: a multi-rank crash recovered under the auto cadence and a budget that
+warns; a deliberately broken resume (the RNG is not restored) that `--require-exact-resume` ends with exit 4;
+a `--strict-budget` run stopped with exit 1. Timings are recorded, never asserted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from launch_helpers import Cleanup, assert_no_processes, ckptrun, events, one
+
+from ckptrun.cli.rto_model import daly
+
+pytestmark = pytest.mark.e2e
+QUICK = ["--heartbeat-timeout", "5", "--startup-timeout", "60", "--restart-backoff", "0.1"]
+LIGHT = ["--", "--num-workers", "0"]  # no loader workers to start: shorter runs on a busy machine
+
+
+@pytest.fixture
+def cleanup() -> Iterator[Cleanup]:
+    tracker = Cleanup()
+    yield tracker
+    tracker.close()
+
+
+@pytest.mark.timeout(240)
+def test_auto_cadence_follows_daly_and_a_crash_resumes_exactly_over_budget(tmp_path: Path, cleanup: Cleanup) -> None:
+    """M = 10 h: after the first step's save (which measures δ) Daly's interval is tens of seconds, so the kill
+    after step 20 restarts from step 1 and replays 19 steps. The estimate's teardown is bounded by the 60 s
+    grace period (no restart yet), over the 50 s budget: one warning, the run goes on."""
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "auto")
+    result = ckptrun("launch", "--nproc-per-node", "2", *QUICK, "--name", "auto", "--save-every", "auto", "--mtbf", "10h",
+                     "--rto-budget", "50s", "--inject-fault", "kill:rank=1:step=20", *LIGHT, cwd=tmp_path, timeout=230)
+    assert result.returncode == 0, result.stderr[-3000:]
+    restart = one(run_dir, "restart")
+    assert restart["resume_verdict"] == "exact", restart
+    assert restart["replayed_steps"] == 20 - restart["snapshot_step"] > 0 and restart["resume_max_rel_diff"] == 0.0
+    estimates = events(run_dir, "rto_estimate")
+    first = estimates[0]
+    assert first["attempt"] == 1 and first["ok"] is False and first["budget_s"] == 50.0
+    assert first["rto_s"] == pytest.approx(sum(c["value_s"] for c in first["components"].values()))
+    assert first["components"]["teardown"]["source"] == "assumed" and first["largest"] == "teardown"
+    assert result.stderr.count("warning: RTO estimate") == 1 and "exceeds --rto-budget 50.0 s" in result.stderr
+    assert restart["rto_measured_s"] == restart["rto_s"] > 0
+    assert (restart["rto_estimated_s"], restart["rto_budget_s"]) == (first["rto_s"], 50.0)
+    assert "resume check: exact over" in result.stderr
+    cadence = events(run_dir, "cadence")
+    assert {e["attempt"] for e in cadence} == {1, 2}, cadence
+    for change in cadence:  # each change is Daly of its own logged δ (capped by the budget when that is shorter)
+        expected = daly(change["stall_s"], change["mtbf_s"])
+        assert change["mtbf_s"] == 36000.0 and change["daly_s"] == pytest.approx(expected, rel=1e-12)
+        assert change["interval_s"] == pytest.approx(min(expected, change["cap_s"] or expected), rel=1e-12)
+    saved = {e["step"]: e for e in events(run_dir, "snapshot_saved")}
+    assert cadence[0]["saves_measured"] == 1 and cadence[0]["stall_s"] == saved[1]["stall_s"]  # δ of the step-1 save
+    assert_no_processes(run_dir, within=5)
+
+
+@pytest.mark.timeout(180)
+def test_resume_without_the_rng_diverges_and_require_exact_resume_exits_4(tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "broken")
+    faults = "kill:rank=0:step=12;skip-rng-restore:attempt=2"  # the resumed attempt skips restoring the RNG
+    result = ckptrun("launch", "--nproc-per-node", "1", *QUICK, "--name", "broken", "--save-every-steps", "5",
+                     "--require-exact-resume", "--inject-fault", faults, *LIGHT, cwd=tmp_path, timeout=170)
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "error: the resumed run diverged from the original (--require-exact-resume)" in result.stderr
+    assert "hint: " in result.stderr and "Traceback" not in result.stderr
+    restart = one(run_dir, "restart")
+    assert restart["snapshot_step"] == 10 and restart["resume_verdict"] == "diverged", restart
+    assert restart["resume_max_rel_diff"] > 0 and restart["replayed_steps"] >= 1
+    assert one(run_dir, "gave_up")["exit_code"] == 4 and len(events(run_dir, "attempt_start")) == 2
+    assert all(e["step"] <= 12 for e in events(run_dir, "snapshot_saved"))  # nothing after the divergence saved
+    assert_no_processes(run_dir, within=5)
+
+
+@pytest.mark.timeout(180)
+def test_strict_budget_stops_the_run_with_exit_1(tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "strict")
+    result = ckptrun("launch", "--nproc-per-node", "1", *QUICK, "--name", "strict", "--save-every-steps", "5",
+                     "--rto-budget", "1ms", "--strict-budget", *LIGHT, "--steps", "100000", cwd=tmp_path, timeout=170)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "error: RTO estimate" in result.stderr and "exceeds --rto-budget 1 ms" in result.stderr
+    assert "`ckptrun resume --latest` continues the run" in result.stderr
+    estimate = events(run_dir, "rto_estimate")[0]
+    assert estimate["ok"] is False and estimate["budget_s"] == 0.001
+    assert one(run_dir, "stop_requested")["reason"].startswith("the RTO estimate is over --rto-budget")
+    assert one(run_dir, "stopped")["step"] < 100000  # the ranks saved and left at a step boundary
+    assert one(run_dir, "gave_up")["exit_code"] == 1
+    assert_no_processes(run_dir, within=5)
