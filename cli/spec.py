@@ -73,6 +73,11 @@ class LaunchSpec(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads per worker.")
     hash_algorithm: Literal["sha256", "blake3"] = Field("sha256", description="Digest of every snapshot file.")
     allow_changes: list[str] = Field(default_factory=list, description="Config keys allowed to differ on resume.")
+    on_anomaly: Literal["warn", "stop", "rollback"] = Field("warn", description="A non-finite or spiking loss: warn, stop (exit 4) or roll back.")
+    anomaly_sigma: float = Field(6.0, gt=0, description="A spike is a loss above mean + sigma * std of the recent window.")
+    anomaly_window: int = Field(50, ge=2, description="Steps of loss history an anomaly is judged against.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before an anomaly stops the run (exit 4).")
+    rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback.")
     inject_fault: str | None = Field(None, description="Fault injection spec (tests, demos): see README.")
     # --- supervision ---
     max_restarts: int = Field(3, ge=0, description="Restarts after failures before giving up (exit 1).")

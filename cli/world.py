@@ -114,7 +114,9 @@ class LocalWorld:
             save_every_seconds=spec.save_every_seconds, keep_last=spec.keep_last, keep_every=spec.keep_every,
             async_save=spec.async_save, save_overlap=spec.save_overlap, max_failed_saves=spec.max_failed_saves, heartbeat_interval=spec.heartbeat_interval, seed=spec.seed,
             deterministic=spec.deterministic, threads=spec.threads, hash_algorithm=spec.hash_algorithm,
-            allow_changes=tuple(spec.allow_changes), fault=spec.inject_fault, save_every_auto=spec.save_every == "auto",
+            allow_changes=tuple(spec.allow_changes), fault=spec.inject_fault, on_anomaly=spec.on_anomaly,
+            anomaly_sigma=spec.anomaly_sigma, anomaly_window=spec.anomaly_window, max_rollbacks=spec.max_rollbacks,
+            rollback_lr_factor=spec.rollback_lr_factor, save_every_auto=spec.save_every == "auto",
             mtbf_seconds=spec.mtbf, save_interval_cap_seconds=self._interval_cap(),
         )
 
