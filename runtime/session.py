@@ -242,7 +242,8 @@ class Run:
             if recorder is not None:
                 recorder.phase = "optimizer"
                 recorder.note_gradients([p for g in optimizer.param_groups for p in g["params"]])
-            stats = stepper.optimizer_step(model, optimizer, self.scaler, max_norm)
+            stats = stepper.optimizer_step(model, optimizer, self.scaler, max_norm,
+                                           count_zeros=self.precision.autocast_dtype is not None)
         if recorder is not None:
             write_report(self.run_dir, self.precision.decision, recorder, list(model.parameters()), optimizer)
         if not stats.skipped:

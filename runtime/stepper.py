@@ -26,11 +26,12 @@ class StepStats:
     clipped: bool
     loss_scale: float | None
     skipped: bool
-    zero_grad_fraction: float
+    zero_grad_fraction: float | None
 
     def metrics(self) -> dict[str, Any]:
-        out = {"grad_norm": self.grad_norm, "clipped": self.clipped, "skipped": self.skipped,
-               "zero_grad_fraction": self.zero_grad_fraction}
+        out = {"grad_norm": self.grad_norm, "clipped": self.clipped, "skipped": self.skipped}
+        if self.zero_grad_fraction is not None:
+            out["zero_grad_fraction"] = self.zero_grad_fraction
         if self.loss_scale is not None:
             out["loss_scale"] = self.loss_scale
         return out
@@ -55,14 +56,17 @@ def accumulate(model: Any, micro_batches: Sequence[Any], forward: Callable[[Any]
 
 
 def optimizer_step(model: Any, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                   max_norm: float | None) -> StepStats:
-    """Unscale, clip, step and update; reports the pre-clip norm and whether the step was skipped."""
+                   max_norm: float | None, count_zeros: bool = True) -> StepStats:
+    """Unscale, clip, step and update; reports the pre-clip norm and whether the step was skipped.
+
+    ``count_zeros`` measures the fraction of exactly-zero gradients (an underflow
+    signal, worth its cost under mixed precision only)."""
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     if scaler is not None:
         scaler.unscale_(optimizer)
         _agree_on_inf(scaler, optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm)) if max_norm is not None else None
-    zero_fraction = _zero_fraction(parameters)
+    zero_fraction = _zero_fraction(parameters) if count_zeros else None
     scale = None
     skipped = False
     if scaler is not None:
@@ -89,9 +93,9 @@ def _agree_on_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
 
 def _zero_fraction(parameters: list[torch.Tensor]) -> float:
     """Fraction of exactly-zero gradient elements: a cheap underflow signal."""
-    zeros, total = 0, 0
+    nonzero, total = 0, 0
     for p in parameters:
         if p.grad is not None:
-            zeros += int((p.grad == 0).sum())
+            nonzero += int(torch.count_nonzero(p.grad))
             total += p.grad.numel()
-    return zeros / total if total else 0.0
+    return 1.0 - nonzero / total if total else 0.0

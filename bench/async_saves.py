@@ -1,0 +1,238 @@
+"""What an async save costs the training loop: ckptrun against DCP ``async_save`` in every mode.
+
+Per repeat, interleaved, on the same model + AdamW state in this process
+(world size 1, a real gloo group):
+
+* ``staging_floor_s`` — the state copied into buffers that already exist;
+* ``save_stall_s`` — ckptrun: building the snapshot state (what ``Run.save``
+  does) and ``Saver.begin`` until it returns (preflight + stage). On CPU there
+  is no later fence or staging wait, so that is everything the loop waits;
+* ``dcp_async_block_*`` — the ``dcp.async_save`` call with the default stager
+  (the FileSystemWriter's own staging), a persistent reused ``DefaultStager``,
+  PROCESS mode, and background staging (whose stall includes the wait for the
+  staging future, before the weights may change again);
+* while each save persists, a small training loop (the template's model) keeps
+  stepping in this process: its median step time ÷ its median step time just
+  before, alone, is the ``*train_slowdown_during_persist`` figure; the time
+  from the call's return until the snapshot is published is ``*persist_s``;
+* ``persist_idle_s`` — ckptrun's persist with nothing running alongside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from common import (
+    MEMORY,
+    NA,
+    WRITTEN,
+    BigState,
+    Figure,
+    ProbeLoop,
+    failed,
+    interleave,
+    save_once,
+    settle,
+)
+
+DAEMON_LOG = Path(__file__).resolve().parent / "results" / "dcp-daemon.log"
+
+
+class Variant:
+    """One async saver: ``start()`` returns (seconds the loop waited, a done-predicate, a done-time getter)."""
+
+    def __init__(self, name: str, start: Callable[[], tuple[float, Callable[[], bool], Callable[[], float]]],
+                 cleanup: Callable[[], None]) -> None:
+        self.name, self.start, self.cleanup = name, start, cleanup
+
+
+def _ckptrun_variant(state: BigState, scratch: Path) -> Variant:
+    from ckptrun.runtime.saver import Saver
+
+    saver = Saver(scratch / "ckptrun-async", "sha256", asynchronous=True)
+    save_once(saver, state)  # allocates the staging buffers once, as the first save of a run does
+    settle(saver)
+
+    def start() -> tuple[float, Callable[[], bool], Callable[[], float]]:
+        finished: list[float] = []
+        started = time.perf_counter()
+        save_once(saver, state, on_result=lambda result: finished.append(time.perf_counter()))
+        stall = time.perf_counter() - started
+        return stall, lambda: bool(finished), lambda: finished[0]
+
+    return Variant("ckptrun", start, lambda: settle(saver))
+
+
+def _dcp_variant(name: str, state: BigState, scratch: Path, **options: Any) -> Variant:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    root = scratch / f"dcp-{name}"
+    root.mkdir(parents=True, exist_ok=True)
+    counter = [0]
+    pending: list[Any] = []
+
+    def start() -> tuple[float, Callable[[], bool], Callable[[], float]]:
+        counter[0] += 1
+        finished: list[float] = []
+        started = time.perf_counter()
+        response = dcp.async_save(state.natural_state_dict(), storage_writer=FileSystemWriter(root / str(counter[0])), **options)
+        if hasattr(response, "staging_completion"):  # background staging: the weights must not change before it ends
+            response.staging_completion.result()
+            response = response.upload_completion
+        stall = time.perf_counter() - started
+        response.add_done_callback(lambda _: finished.append(time.perf_counter()))
+        pending.append(response)
+        return stall, lambda: bool(finished), lambda: finished[0]
+
+    def cleanup() -> None:
+        while pending:
+            pending.pop().result()
+        shutil.rmtree(root / str(counter[0]), ignore_errors=True)
+
+    return Variant(name, start, cleanup)
+
+
+@contextlib.contextmanager
+def _quiet_fds(log: Path):
+    """DCP's checkpoint daemon logs to the stdout it inherits at spawn; give it a log file instead."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    saved = os.dup(1), os.dup(2)
+    with open(log, "ab") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _variants(state: BigState, scratch: Path) -> tuple[list[Variant], dict[str, str], list[Any]]:
+    """Every saver, warmed up by one save (buffers allocated, daemon started); modes that fail give an error."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    stagers = [DefaultStager(StagingOptions(False, False, False, False)), DefaultStager(StagingOptions(False, False, True, False))]
+    candidates = {
+        "ckptrun": lambda: _ckptrun_variant(state, scratch),
+        "dcp": lambda: _dcp_variant("dcp", state, scratch),
+        "dcp_reused": lambda: _dcp_variant("dcp_reused", state, scratch, async_stager=stagers[0]),
+        "dcp_process": lambda: _dcp_variant("dcp_process", state, scratch, async_checkpointer_type=AsyncCheckpointerType.PROCESS),
+        "dcp_bgstaging": lambda: _dcp_variant("dcp_bgstaging", state, scratch, async_stager=stagers[1]),
+    }
+    variants, errors = [], {}
+    for name, make in candidates.items():
+        try:
+            with _quiet_fds(DAEMON_LOG) if name == "dcp_process" else contextlib.nullcontext():
+                variant = make()
+                variant.start()
+                variant.cleanup()
+            variants.append(variant)
+        except BaseException as exc:  # DCP raises CheckpointException (a BaseException) for failed saves
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            errors[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return variants, errors, stagers
+
+
+def _trial(variant: Variant, loop: ProbeLoop, alone_s: float) -> Callable[[], dict[str, float]]:
+    def run() -> dict[str, float]:
+        alone = statistics.median(loop.for_seconds(alone_s))
+        stall, done, done_at = variant.start()
+        returned = time.perf_counter()
+        during = loop.until(done)
+        persist = done_at() - returned
+        variant.cleanup()
+        return {f"{variant.name}.stall": stall, f"{variant.name}.persist": persist,
+                f"{variant.name}.slowdown": statistics.median(during) / alone, f"{variant.name}.alone": alone}
+
+    return run
+
+
+def _idle_trial(variant: Variant) -> Callable[[], dict[str, float]]:
+    """The same ckptrun save with no training alongside: what the writer does when nobody competes."""
+    def run() -> dict[str, float]:
+        _, done, done_at = variant.start()
+        returned = time.perf_counter()
+        while not done():
+            time.sleep(0.002)
+        persist = done_at() - returned
+        variant.cleanup()
+        return {"persist_idle_s": persist}
+
+    return run
+
+
+def _floor_trial(state: BigState) -> Callable[[], dict[str, float]]:
+    import torch
+
+    tensors = state.collect().shared_tensors
+    buffers = {key: torch.empty_like(t) for key, t in tensors.items()}
+    for key, tensor in tensors.items():  # first touch outside the timing: the floor is a copy into warm buffers
+        buffers[key].copy_(tensor)
+
+    def run() -> dict[str, float]:
+        started = time.perf_counter()
+        for key, tensor in state.collect().shared_tensors.items():
+            buffers[key].copy_(tensor)
+        return {"floor": time.perf_counter() - started}
+
+    return run
+
+
+KEYS = {  # variant -> (stall key, persist key, slowdown key)
+    "ckptrun": ("save_stall_s", "persist_s", "train_slowdown_during_persist"),
+    "dcp": ("dcp_async_block_s", "dcp_persist_s", "dcp_train_slowdown_during_persist"),
+    "dcp_reused": ("dcp_async_block_reused_s", "dcp_persist_reused_s", "dcp_train_slowdown_during_persist_reused"),
+    "dcp_process": ("dcp_async_block_process_s", "dcp_persist_process_s", "dcp_train_slowdown_during_persist_process"),
+    "dcp_bgstaging": ("dcp_async_stall_bgstaging_s", "dcp_persist_bgstaging_s", "dcp_train_slowdown_during_persist_bgstaging"),
+}
+NOTES = {
+    "save_stall_s": "state_dict + split + rng capture + Saver.begin (preflight, stage); no fence on CPU",
+    "dcp_async_block_s": "dcp.async_save call, FileSystemWriter's own staging (fresh buffers)",
+    "dcp_async_block_reused_s": "persistent DefaultStager(StagingOptions(False, False, False, False))",
+    "dcp_async_block_process_s": "AsyncCheckpointerType.PROCESS (daemon started by a warm-up save)",
+    "dcp_async_stall_bgstaging_s": "DefaultStager(use_async_staging=True): call + wait for staging_completion",
+    "persist_s": "call returned -> published (sha256 while writing, fsync, manifest, rename), loop stepping alongside",
+    "train_slowdown_during_persist": "median step of a ~0.9M-param loop while persisting / just before, alone",
+}
+
+
+def measure(state: BigState, scratch: Path, repeats: int, alone_s: float = 0.3) -> dict[str, Figure]:
+    """``alone_s``: seconds the probe loop steps alone right before each save, its baseline."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    loop = ProbeLoop()
+    variants, errors, stagers = _variants(state, scratch)
+    trials = {"floor": _floor_trial(state), **{v.name: _trial(v, loop, alone_s) for v in variants}}
+    if variants and variants[0].name == "ckptrun":
+        trials["ckptrun_idle"] = _idle_trial(variants[0])
+    samples = interleave(repeats, trials)
+    for stager in stagers:
+        stager.close()
+    figures = {"staging_floor_s": Figure(samples["floor"], "s", MEMORY, note="copy into existing buffers")}
+    for name, (stall, persist, slowdown) in KEYS.items():
+        if name in errors:
+            for key in (stall, persist, slowdown):
+                figures[key] = failed(errors[name], "s" if key.endswith("_s") else "x")
+            continue
+        figures[stall] = Figure(samples[f"{name}.stall"], "s", MEMORY, note=NOTES.get(stall, ""))
+        figures[persist] = Figure(samples[f"{name}.persist"], "s", WRITTEN, note=NOTES.get(persist, ""))
+        figures[slowdown] = Figure(samples[f"{name}.slowdown"], "x", NA, note=NOTES.get(slowdown, ""))
+    if "persist_idle_s" in samples:
+        figures["persist_idle_s"] = Figure(samples["persist_idle_s"], "s", WRITTEN, note="as persist_s, with no training alongside")
+    if "ckptrun.alone" in samples:
+        figures["probe_step_alone_s"] = Figure(samples["ckptrun.alone"], "s", NA, note="the probe loop's step, alone")
+    return figures
