@@ -121,12 +121,13 @@ class Saver:
         staged = State(state.shared_tree, self._stage(state.shared_tensors), state.rank_tree,
                        {k: t.detach().to("cpu", copy=True) for k, t in state.rank_tensors.items()})
         stall = time.monotonic() - started + waited
+        rss = psutil.Process().memory_info().rss
 
         def work() -> SaveResult:
             self.stager.fence()
             result = replace(persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group),
                              stall_s=stall, waited_s=waited, asynchronous=self.asynchronous,
-                             staging_allocated_bytes=allocated)
+                             staging_allocated_bytes=allocated, rss_after_stage_bytes=rss)
             if result.ok:
                 self.last_bytes = result.bytes
             on_result(result)

@@ -39,12 +39,6 @@ from ckptrun.runtime.verify import newest_verified
 EXIT_FAILED, EXIT_STOPPED, EXIT_UNRECOVERABLE = 1, 3, 4
 
 
-def _rss_bytes() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
 def _process_start_time() -> float:
     import psutil
 
@@ -413,7 +407,8 @@ class Run:
                               stall_s=result.stall_s, waited_s=result.waited_s, write_s=seconds,
                               persist_s=result.persist_s, publish_s=result.publish_s, asynchronous=result.asynchronous,
                               throughput_mb_s=result.bytes / seconds / 1e6 if seconds else None,
-                              staging_allocated_bytes=result.staging_allocated_bytes, rss_bytes=_rss_bytes())
+                              staging_allocated_bytes=result.staging_allocated_bytes,
+                              rss_after_stage_bytes=result.rss_after_stage_bytes)
             apply_retention(self.ckpt_dir, self.retention, self.run_dir)
         else:
             records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)

@@ -88,6 +88,7 @@ class SaveResult:
     waited_s: float = 0.0  # part of the stall spent waiting for the previous save
     asynchronous: bool = False
     staging_allocated_bytes: int = 0  # new host buffers this save needed (0 once they exist)
+    rss_after_stage_bytes: int = 0  # the process's resident memory right after staging
 
 
 class SaveFailed(Exception):

@@ -9,6 +9,7 @@ in-flight save, sync mode still working, blake3 manifests.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -30,9 +31,12 @@ def test_staging_buffers_are_reused_across_saves(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     saved = {e["step"]: e for e in read_events(run_dir, "snapshot_saved")}
     snapshot_bytes = saved[2]["bytes"]
-    assert abs(saved[10]["rss_bytes"] - saved[2]["rss_bytes"]) <= 0.10 * snapshot_bytes, (
-        f"RSS grew by {(saved[10]['rss_bytes'] - saved[2]['rss_bytes']) / 2**20:.1f} MiB over 8 saves of "
-        f"{snapshot_bytes / 2**20:.1f} MiB")
+    def level(steps):  # the allocator's arenas make single samples jitter by one tensor's size
+        return statistics.median(saved[s]["rss_after_stage_bytes"] for s in steps)
+
+    growth = level((8, 9, 10)) - level((2, 3, 4))
+    assert growth <= 0.10 * snapshot_bytes, (  # a leak of staging buffers would add a whole snapshot per save
+        f"RSS grew by {growth / 2**20:.1f} MiB over 8 saves of {snapshot_bytes / 2**20:.1f} MiB")
     assert all(e["asynchronous"] for e in saved.values())
     assert saved[1]["staging_allocated_bytes"] > 0
     assert [saved[s]["staging_allocated_bytes"] for s in range(2, 11)] == [0] * 9, "buffers allocated once"
