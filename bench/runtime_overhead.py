@@ -39,7 +39,9 @@ THREADS = 1
 def _job_env(run_dir: Path) -> dict[str, str]:
     from ckptrun.runtime.env import RunEnv
 
-    return {**os.environ, **RunEnv(run_id="bench", run_dir=run_dir, threads=THREADS).to_env(), "PYTHONWARNINGS": "ignore"}
+    # fp32 like plain_job.py: `auto` would pick bf16 on AMX CPUs and compare two different jobs
+    env = RunEnv(run_id="bench", run_dir=run_dir, threads=THREADS, precision="fp32").to_env()
+    return {**os.environ, **env, "PYTHONWARNINGS": "ignore"}
 
 
 def template_step(scratch: Path, steps: int, index: list[int]) -> float:
