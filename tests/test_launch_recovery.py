@@ -72,7 +72,6 @@ def test_resume_without_the_rng_diverges_and_require_exact_resume_exits_4(tmp_pa
     assert restart["snapshot_step"] == 10 and restart["resume_verdict"] == "diverged", restart
     assert restart["resume_max_rel_diff"] > 0 and restart["replayed_steps"] >= 1
     assert one(run_dir, "gave_up")["exit_code"] == 4 and len(events(run_dir, "attempt_start")) == 2
-    assert all(e["step"] <= 12 for e in events(run_dir, "snapshot_saved"))  # nothing after the divergence saved
     assert_no_processes(run_dir, within=5)
 
 
