@@ -4,8 +4,11 @@ Usage: ``python -m ckptrun.cli.agent FAILURES_JSON [TORCHRUN ARGS...]``. It runs
 ``torch.distributed.run`` unchanged and, when torchrun gives up with
 ``ChildFailedError``, writes ``ChildFailedError.failures`` (exit code or signal,
 error-file contents, per rank) to FAILURES_JSON through :mod:`ckptrun.cli.failures`.
-The supervisor reads that file instead of scraping torchrun's log. This is a
-separate process (it imports torch); the CLI never imports it.
+The supervisor reads that file instead of scraping torchrun's log. Like every
+rank, it watches the supervisor: when that is gone (a SIGKILL) it kills its
+ranks (they run in sessions of their own) and exits, so nothing of the run is
+left behind. This is a separate process (it imports torch); the CLI never
+imports it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import psutil
+
+from ckptrun.cli.attempt import kill_all
 from ckptrun.cli.failures import RankFailure, from_error_file, write_failures
+from ckptrun.runtime.env import EnvError, RunEnv
+from ckptrun.runtime.liveness import watch_supervisor
 
 
 def _facts(global_rank: int, failure: object) -> RankFailure:
@@ -30,6 +38,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m ckptrun.cli.agent FAILURES_JSON [TORCHRUN ARGS...]", file=sys.stderr)
         return 2
     record, torchrun_args = Path(argv[0]), argv[1:]
+    _watch_supervisor()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -44,6 +53,15 @@ def main(argv: list[str]) -> int:
         print(f"torchrun failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _watch_supervisor() -> None:
+    try:
+        env = RunEnv.from_env()
+    except EnvError:
+        return  # the ranks' init() reports a malformed C1
+    watch_supervisor(env.supervisor_pid, env.supervisor_start_time,
+                     on_gone=lambda: kill_all(psutil.Process().children(recursive=True), wait=2.0))
 
 
 if __name__ == "__main__":

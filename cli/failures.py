@@ -21,6 +21,7 @@ from typing import Any
 FAILURES_NAME = "failures.json"
 CONSOLE_NAME = "console.log"
 PLACEHOLDERS = ("<NONE>", "<N/A>", "")  # torchrun's words for "no error file"
+TAIL_LINES, TAIL_BYTES = 6, 4096
 
 
 @dataclass
@@ -34,8 +35,9 @@ class RankFailure:
     traceback: str | None = None
     time: float | None = None
     phase: str | None = None  # "load": the script never started; "run": it failed while running
-    uses_runtime: bool | None = None  # the script had imported ckptrun.runtime when it failed
+    uses_runtime: bool | None = None  # the script imports ckptrun.runtime (or had loaded it when it failed)
     log: str | None = None
+    stderr_tail: list[str] | None = None  # the rank's last lines of stderr: the argparse message, the exception
 
     def describe(self) -> str:
         """One line: who, how, why (the exception if there is one)."""
@@ -119,6 +121,18 @@ def rank_log(attempt_dir: Path, local_rank: int, stream: str = "stderr") -> Path
         return linked
     found = sorted(attempt_dir.glob(f"*/attempt_*/{local_rank}/{stream}.log"))
     return found[-1] if found else None
+
+
+def stderr_tail(log: Path | None, lines: int = TAIL_LINES) -> list[str] | None:
+    """The last non-blank lines a rank wrote to stderr, without the traceback header (the log has it all)."""
+    try:
+        with open(log, "rb") as stream:  # type: ignore[arg-type]
+            stream.seek(max(0, stream.seek(0, os.SEEK_END) - TAIL_BYTES))
+            text = stream.read().decode(errors="replace")
+    except (OSError, TypeError):
+        return None
+    kept = [line.rstrip() for line in text.splitlines() if line.strip() and not line.startswith("Traceback (most recent")]
+    return kept[-lines:] or None
 
 
 def describe_failure(failure: dict[str, Any]) -> str:

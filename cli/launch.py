@@ -22,7 +22,9 @@ from ckptrun.cli.runner import resume_run, start_run
 from ckptrun.cli.spec import build_spec
 from ckptrun.runtime import records
 
-LAUNCH_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+# Options end at the first word that is not one (SCRIPT) or at `--`; an unknown option before that is a typo,
+# refused by click with a did-you-mean (rendered by ckptrun.cli.main), never handed to a job.
+LAUNCH_CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": False}
 TORCHRUN, RUN, POLICY, SUPERVISION = "torchrun", "Run directory", "Checkpoint policy (C1)", "Supervision"
 RECOVERY = "Recovery budget and checks"
 
@@ -32,7 +34,11 @@ def _opt(flag: str, help: str, panel: str, **kw: Any) -> Any:
 
 
 def split_target(args: list[str]) -> tuple[Optional[Path], list[str]]:
-    """``SCRIPT ARGS...`` or only ``ARGS`` (for the default job): a first word that is not an option is SCRIPT."""
+    """``SCRIPT ARGS...`` or only ``ARGS`` (for the default job): a first word that is not an option is SCRIPT.
+
+    ``args`` is what click left after launch's own options; a first word that is an option can only have
+    come after ``--`` (click refuses unknown options before SCRIPT), so those are the default job's.
+    """
     if args and not args[0].startswith("-"):
         return Path(args[0]), args[1:]
     return None, list(args)
@@ -62,6 +68,7 @@ def launch(
     save_overlap: Optional[str] = _opt("--save-overlap", "A save due while one is in flight: wait or skip. [default: wait]", POLICY),
     keep_last: Optional[int] = _opt("--keep-last", "Verified snapshots kept besides milestones. [default: 3]", POLICY),
     keep_every: Optional[int] = _opt("--keep-every", "Snapshots at multiples of M steps are kept forever.", POLICY),
+    paranoid_retention: Optional[bool] = _opt("--paranoid-retention", "Before retention deletes, re-hash the newest snapshot read past the page cache (default: manifest + sizes).", POLICY),
     seed: Optional[int] = _opt("--seed", "Base seed (rank r uses seed + r). [default: 0]", POLICY),
     deterministic: Optional[bool] = typer.Option(None, "--deterministic/--no-deterministic", help="Deterministic algorithms (exact resume). [default: on]", rich_help_panel=POLICY, show_default=False),
     threads: Optional[int] = _opt("--threads", "torch threads per rank.", POLICY),
@@ -84,6 +91,7 @@ def launch(
     rto_budget: Optional[str] = _opt("--rto-budget", "Estimate the RTO after the first snapshot; warn when it exceeds this (e.g. 2m). Caps --save-every auto.", RECOVERY, metavar="DURATION"),
     strict_budget: Optional[bool] = _opt("--strict-budget", "With --rto-budget: stop the run (saved, exit 1) when the estimate is over it.", RECOVERY),
     require_exact_resume: Optional[bool] = _opt("--require-exact-resume", "End the run (exit 4) when a resume's replayed losses diverge from the originals.", RECOVERY),
+    ranks_output: Optional[str] = _opt("--ranks-output", "Ranks whose output the launcher shows, prefixed [rankN]: all, none, or ranks like 0 or 0,3 (logs/attempt-N/console.log keeps all). [default: all]", SUPERVISION, metavar="all|none|RANKS"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (run id, dir, exit code) on stdout."),
 ) -> int:
     """Launch SCRIPT [ARGS...] with torchrun under supervision: restart from the newest verified snapshot on a crash or hang.
@@ -98,21 +106,26 @@ def launch(
     flags = dict(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                  master_port=master_port, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, name=name,
                  run_dir=run_dir, ckpt_dir=ckpt_dir, precision=precision, save_every_steps=save_every_steps,
-                 save_every_seconds=save_every_seconds, save_every=save_every, mtbf=mtbf, async_save=async_save, save_overlap=save_overlap, keep_last=keep_last, keep_every=keep_every, seed=seed,
+                 save_every_seconds=save_every_seconds, save_every=save_every, mtbf=mtbf, async_save=async_save, save_overlap=save_overlap, keep_last=keep_last, keep_every=keep_every, paranoid_retention=paranoid_retention, seed=seed,
                  deterministic=deterministic, threads=threads, allow_changes=allow_change, inject_fault=inject_fault,
                  hash_algorithm=hash_algorithm, max_failed_saves=max_failed_saves, on_anomaly=on_anomaly,
                  anomaly_sigma=anomaly_sigma, max_rollbacks=max_rollbacks,
                  max_restarts=max_restarts, max_stalled_restarts=max_stalled_restarts, heartbeat_timeout=heartbeat_timeout, startup_timeout=startup_timeout,
                  save_timeout=save_timeout, grace_period=grace_period, time_limit=time_limit, stop_signal=stop_signal,
                  restart_backoff=restart_backoff, rto_budget=rto_budget, strict_budget=strict_budget,
-                 require_exact_resume=require_exact_resume, script=script, script_args=script_args or None)
+                 require_exact_resume=require_exact_resume, ranks_output=ranks_output, script=script,
+                 script_args=script_args or None)
     if standalone and master_port is not None:
         raise CkptrunError("--standalone and --master-port contradict each other", "pass one of them")
     return start_run(build_spec(flags, config), argv=sys.argv, as_json=as_json)
 
 
+RESUME_CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": False}  # `-- NEW SCRIPT ARGS`
+
+
 @command
 def resume(
+    ctx: typer.Context,
     latest: bool = typer.Option(False, "--latest", help="From the newest verified snapshot of the run's lineage (the default)."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="The run to continue. [default: the most recent under runs/]", show_default=False),
     source: Optional[str] = typer.Option(None, "--from", metavar="STEP_OR_PATH", help="Resume from this snapshot instead; forks the lineage there.", show_default=False),
@@ -121,10 +134,14 @@ def resume(
     allow_change: Optional[str] = typer.Option(None, "--allow-change", help="Config keys that may differ from the snapshot's.", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> int:
-    """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec."""
+    """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec.
+
+    Arguments after ``--`` replace the script's stored ones (a changed config key must be allowed).
+    """
     if latest and source:
         raise CkptrunError("--latest and --from contradict each other", "pass one of them")
-    overrides: dict[str, Any] = {"max_restarts": max_restarts, "allow_changes": allow_change}
+    overrides: dict[str, Any] = {"max_restarts": max_restarts, "allow_changes": allow_change,
+                                 "script_args": list(ctx.args) or None}
     if time_limit is not None:
         overrides["time_limit"] = build_spec({"time_limit": time_limit}).time_limit
     if allow_change is not None:
@@ -137,11 +154,14 @@ def resume(
 @command
 def stop(
     run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help="The run to stop. [default: the most recent under runs/]", show_default=False),
+    run_dir_option: Optional[Path] = typer.Option(None, "--run-dir", help="The same as RUN_DIR (as `resume` takes it).", show_default=False),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the supervisor has saved and exited."),
     timeout: float = typer.Option(600.0, "--timeout", help="Longest wait in seconds."),
 ) -> int:
     """Ask a running launch to save a snapshot at the next step boundary and exit 3 (resumable)."""
-    run_dir = run_dir or latest_run()
+    if run_dir and run_dir_option and run_dir != run_dir_option:
+        raise CkptrunError(f"two runs to stop: {run_dir} and --run-dir {run_dir_option}", "pass one of them")
+    run_dir = run_dir or run_dir_option or latest_run()
     paths = RunPaths(run_dir)
     if not paths.run_json.exists():
         raise CkptrunError(f"{run_dir} is not a ckptrun run directory", "pass the RUN_DIR that `ckptrun launch` printed")
@@ -149,7 +169,9 @@ def stop(
     if who is None:
         raise CkptrunError(f"no supervisor is running {run_dir}", f"nothing to stop; `ckptrun resume --latest --run-dir {run_dir}` continues it", EXIT_REFUSED)
     paths.stop_file.touch()
-    print(f"ckptrun: asked supervisor pid {who['pid']} to stop {run_dir}: ranks save at the next step boundary", file=sys.stderr)
+    what = ("this script does not use ckptrun.runtime, so it cannot be asked to save: its ranks get SIGTERM"
+            if records.read_events(paths.root, "plain_script") else "ranks save at the next step boundary")
+    print(f"ckptrun: asked supervisor pid {who['pid']} to stop {run_dir}: {what}", file=sys.stderr)
     if not wait:
         return EXIT_OK
     return _wait_for_exit(int(who["pid"]), float(who["start_time"]), paths, timeout)
@@ -165,6 +187,10 @@ def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float)
         raise CkptrunError(f"supervisor pid {pid} has not exited after {timeout:g}s", "it is still saving or hung; "
                            f"wait, or signal it twice (kill -TERM {pid}) to kill the ranks", EXIT_NO)
     stopped = records.read_events(paths.root, "run_stopped")
-    step = stopped[-1].get("snapshot_step") if stopped else None
-    print(f"ckptrun: stopped; newest verified snapshot: step {step}", file=sys.stderr)
+    last = stopped[-1] if stopped else {}
+    if last.get("plain_script"):
+        how = "did not exit cleanly on SIGTERM" if last.get("forced") else "exited cleanly on SIGTERM"
+        print(f"ckptrun: stopped; the script {how}", file=sys.stderr)
+        return EXIT_OK
+    print(f"ckptrun: stopped; newest verified snapshot: step {last.get('snapshot_step')}", file=sys.stderr)
     return EXIT_OK

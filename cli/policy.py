@@ -92,8 +92,7 @@ class RestartFacts:
     """What the policy needs to know about the attempt that just failed."""
 
     first_attempt: bool  # the first attempt of this launch/resume
-    reached_first_step: bool
-    runtime_used: bool  # any heartbeat seen: the script uses ckptrun.runtime
+    reached_first_step: bool  # a step record of the attempt (the runtime's, or the step hook's for a plain script)
     load_failure: bool  # the script failed to load (syntax error, missing file)
     restarts: int  # restarts done so far
     stalled_restarts: int  # restarts in a row that brought no new snapshot
@@ -133,7 +132,7 @@ class RestartPolicy:
                           "fix what the message says, then `ckptrun resume --latest` or launch again")
         if facts.load_failure:
             return GiveUp(EXIT_UNRECOVERABLE, "the script failed to load", "fix the script and launch again")
-        if facts.first_attempt and facts.runtime_used and not facts.reached_first_step:
+        if facts.first_attempt and not facts.reached_first_step:  # any script: a restart would fail the same way
             return GiveUp(EXIT_UNRECOVERABLE, "the first attempt failed before its first step",
                           "a restart would fail the same way; fix the cause and launch again")
         if facts.stalled_restarts >= self.max_stalled_restarts:

@@ -2,13 +2,16 @@
 and, once known, the RTO (measured by the last restart, estimated, budget) and the last resume's verdict.
 
 At most once a second on a terminal (redrawn in place), every ``plain_interval``
-seconds otherwise (a log file gets whole lines, not a flood). stdout stays
-free for data.
+seconds otherwise (a log file gets whole lines, not a flood). The ranks' own
+lines (:meth:`Progress.echo`, from another thread) go to ``out`` — stdout, as
+torchrun shows them, or stderr when stdout carries ``--json`` — after the
+status line is wiped, so that neither garbles the other.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import TextIO
@@ -56,8 +59,10 @@ class Progress:
     """Rate-limited status line; :meth:`say` prints narration without garbling it."""
 
     def __init__(self, stream: TextIO | None = None, interval: float = 1.0, plain_interval: float = 10.0,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, out: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
+        self.out = out or sys.stdout
+        self.lock = threading.Lock()  # the rank-output thread echoes while the supervisor draws
         self.tty = self.stream.isatty()
         self.interval = interval if self.tty else plain_interval
         self.enabled = enabled
@@ -68,26 +73,46 @@ class Progress:
     def show(self, status: Status, force: bool = False) -> None:
         now = time.monotonic()
         line = status.line()
-        if not self.enabled or line == self.last_line or (not force and now - self.last_shown < self.interval):
-            return
-        self.last_shown, self.last_line = now, line
-        if self.tty:
-            self.stream.write("\r\033[K" + line)
-            self.drawn = True
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        with self.lock:
+            if not self.enabled or line == self.last_line or (not force and now - self.last_shown < self.interval):
+                return
+            self.last_shown, self.last_line = now, line
+            if self.tty:
+                self.stream.write("\r\033[K" + line)
+                self.drawn = True
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
 
     def say(self, text: str) -> None:
-        if self.drawn:
-            self.stream.write("\r\033[K")
-            self.drawn = False
-        self.stream.write(f"ckptrun: {text}\n")
-        self.stream.flush()
-        self.last_line = ""
+        self._line(self.stream, f"ckptrun: {text}")
+
+    def echo(self, text: str) -> None:
+        """One line of a rank's output (``[rank0]:...``), on ``out``; the status line is redrawn after it.
+
+        Into a pipe the write happens outside the lock: a reader that stalls must not stall the supervisor.
+        """
+        if self.out.isatty():
+            self._line(self.out, text)
+        else:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def _line(self, stream: TextIO, text: str) -> None:
+        with self.lock:
+            wiped = self.drawn
+            if wiped:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+                self.drawn = False
+            stream.write(text + "\n")
+            stream.flush()
+            if wiped or stream is self.stream:  # the status line is due again (not a repeat in a log file)
+                self.last_line = ""
 
     def close(self) -> None:
-        if self.drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.drawn = False
+        with self.lock:
+            if self.drawn:
+                self.stream.write("\n")
+                self.stream.flush()
+                self.drawn = False

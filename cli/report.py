@@ -1,10 +1,13 @@
 """``ckptrun report RUN_DIR``: a picture of the run, and an HTML page with it and the run's summary.
 
 The PNG has three panels: loss over steps, one line per attempt, with each
-failure and restart marked, snapshot ticks along the bottom and the steps a
-later attempt replayed drawn over the originals (hollow markers: an exact
-resume puts them on the line); throughput over wall time with the recovery
-gaps shaded; and one stacked bar per restart of its measured RTO components.
+failure, restart, stop and resume marked, snapshot ticks along the bottom and
+the steps a later attempt replayed drawn over the originals (hollow markers:
+an exact resume puts them on the line); throughput over wall time with the
+recovery gaps shaded and the stops and resumes marked; and one stacked bar
+per restart of its measured RTO components. A script without the runtime
+logs no loss: its step records (the bootstrap's optimizer-step hook) still
+draw throughput, failures and restarts.
 The HTML page embeds the PNG (base64) and tables of the run, its restarts and
 its replayed steps, so it is one self-contained file to attach or mail.
 
@@ -101,9 +104,15 @@ class RunFacts:
         spec, run_id = read_spec(run_dir)
         facts = cls(run_dir, spec, run_id, records.read_events(run_dir))
         for record in records.read_metrics(run_dir):
-            if isinstance(record.get("step"), int) and isinstance(record.get("loss"), (int, float)) and not record.get("skipped"):
+            if isinstance(record.get("step"), int) and isinstance(record.get("time"), (int, float)) and not record.get("skipped"):
                 facts.series.setdefault(int(record.get("attempt", 1)), {})[record["step"]] = record
         return facts
+
+    @property
+    def losses(self) -> dict[int, dict[int, dict[str, Any]]]:
+        """The series restricted to records with a loss (a plain script has none)."""
+        kept = {a: {s: r for s, r in rows.items() if isinstance(r.get("loss"), (int, float))} for a, rows in self.series.items()}
+        return {a: rows for a, rows in kept.items() if rows}
 
     def named(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == name]
@@ -150,7 +159,9 @@ def summarize(facts: RunFacts) -> dict[str, Any]:
     """The run in one JSON-ready table (also what the HTML page shows)."""
     last_attempt = max(facts.series)
     final = facts.series[last_attempt][max(facts.series[last_attempt])]
-    first = facts.series[min(facts.series)][min(facts.series[min(facts.series)])]
+    losses = facts.losses
+    first_loss = losses[min(losses)][min(losses[min(losses)])]["loss"] if losses else None
+    final_loss = losses[max(losses)][max(losses[max(losses)])]["loss"] if losses else None
     saves = facts.named("snapshot_saved")
     throughput = [r["samples_per_s"] for s in facts.series.values() for r in s.values() if isinstance(r.get("samples_per_s"), (int, float))]
     precision = facts.named("precision")
@@ -164,13 +175,14 @@ def summarize(facts: RunFacts) -> dict[str, Any]:
         "precision": precision[-1].get("mode") if precision else final.get("precision"),
         "attempts": len(facts.named("attempt_start")) or len(facts.series),
         "restarts": len(facts.named("restart")), "failures": len(facts.named("failure")),
-        "step": final["step"], "total_steps": step_budget(spec, None), "first_loss": first["loss"], "final_loss": final["loss"],
+        "step": final["step"], "total_steps": step_budget(spec, None), "first_loss": first_loss, "final_loss": final_loss,
         "wall_s": final["time"] - facts.start_time,
         "median_samples_per_s": statistics.median(throughput) if throughput else None,
         "snapshots_saved": len(saves), "last_snapshot_step": saves[-1].get("step") if saves else None,
         "last_snapshot_bytes": saves[-1].get("bytes") if saves else None,
         "median_save_stall_s": statistics.median(s["stall_s"] for s in saves) if saves and all(isinstance(s.get("stall_s"), (int, float)) for s in saves) else None,
-        "restart_details": restarts(facts), "replays": replays(facts.series),
+        "stops": len(facts.named("run_stopped")), "resumes": len(facts.named("resume")),
+        "restart_details": restarts(facts), "replays": replays(losses),
     }
 
 
@@ -195,21 +207,39 @@ def _color(attempt: int) -> str:
 
 
 def draw_loss(ax: Any, facts: RunFacts) -> None:
+    series = facts.losses
+    if not series:
+        ax.text(0.5, 0.5, "no loss curve: the script does not log its loss through ckptrun.runtime",
+                ha="center", va="center", transform=ax.transAxes, color="0.4")
     seen: set[int] = set()
-    for attempt in sorted(facts.series):
-        steps = sorted(facts.series[attempt])
-        losses = [facts.series[attempt][s]["loss"] for s in steps]
-        ax.plot(steps, losses, color=_color(attempt), lw=2 if attempt == min(facts.series) else 1.3, label=f"attempt {attempt}")
+    for attempt in sorted(series):
+        steps = sorted(series[attempt])
+        losses = [series[attempt][s]["loss"] for s in steps]
+        ax.plot(steps, losses, color=_color(attempt), lw=2 if attempt == min(series) else 1.3, label=f"attempt {attempt}")
         replayed = [(s, loss) for s, loss in zip(steps, losses) if s in seen]
         if replayed:
             ax.plot(*zip(*replayed), "o", ms=5, mfc="none", color=_color(attempt), label=f"attempt {attempt}: replayed steps")
         seen.update(steps)
     _mark_failures(ax, facts)
+    _mark_sessions(ax, facts, lambda event, key: event.get(key))
     _snapshot_ticks(ax, facts)
-    ax.set(xlabel="optimizer step", ylabel="loss", title="loss (failures, restarts, replayed steps)")
+    ax.set(xlabel="optimizer step", ylabel="loss", title="loss (failures, restarts, stops, resumes, replayed steps)")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
+    if series:
+        ax.legend(loc="upper right", fontsize=8)
+
+
+def _mark_sessions(ax: Any, facts: RunFacts, where: Any) -> None:
+    """Each stop (at its step / time) and each resume (at the step it resumed from / its time)."""
+    marks = [(e, "run_stopped", "step", "■ stopped", "#8c564b") for e in facts.named("run_stopped")]
+    marks += [(e, "resume", "snapshot_step", "▶ resumed", "#1f77b4") for e in facts.named("resume")]
+    for event, _, key, label, color in marks:
+        x = where(event, key)
+        if isinstance(x, (int, float)):
+            ax.axvline(x, color=color, ls="-.", lw=1.2)
+            ax.annotate(label, (x, 0.03), xycoords=("data", "axes fraction"), color=color, fontsize=8,
+                        ha="left", va="bottom", rotation=90)
 
 
 def _mark_failures(ax: Any, facts: RunFacts) -> None:
@@ -237,7 +267,7 @@ def draw_throughput(ax: Any, facts: RunFacts) -> None:
     start = facts.start_time
     for attempt in sorted(facts.series):
         rows = [facts.series[attempt][s] for s in sorted(facts.series[attempt])]
-        pairs = [(r["time"] - start, _speed(r)) for r in rows if _speed(r) is not None]
+        pairs = [(r["time"] - start, speed) for r, speed in zip(rows, speeds(rows)) if speed is not None]
         if not pairs:
             continue
         times, speeds = zip(*pairs)
@@ -246,6 +276,7 @@ def draw_throughput(ax: Any, facts: RunFacts) -> None:
         ax.plot(times, rolling_median(speeds, window), lw=1.3, color=_color(attempt), label=f"attempt {attempt}")
     for gap_start, gap_end in recovery_gaps(facts):
         ax.axvspan(gap_start - start, gap_end - start, color="#d62728", alpha=0.12, lw=0)
+    _mark_sessions(ax, facts, lambda event, key: event["time"] - start if isinstance(event.get("time"), (int, float)) else None)
     unit = "samples/s" if any(isinstance(r.get("samples_per_s"), (int, float)) for s in facts.series.values() for r in s.values()) else "steps/s"
     ax.set(xlabel="wall time since launch (s)", ylabel=unit, title="throughput (shaded: failure to first step after restart)")
     ax.grid(alpha=0.3)
@@ -254,6 +285,18 @@ def draw_throughput(ax: Any, facts: RunFacts) -> None:
 
 def rolling_median(values: tuple[float, ...], window: int) -> list[float]:
     return [statistics.median(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def speeds(rows: list[dict[str, Any]]) -> list[float | None]:
+    """Each record's throughput; without samples/s or a step time (a plain script's step records), the step
+    rate since the attempt's previous record."""
+    out: list[float | None] = []
+    for index, row in enumerate(rows):
+        speed = _speed(row)
+        if speed is None and index > 0 and row["time"] > rows[index - 1]["time"]:
+            speed = (row["step"] - rows[index - 1]["step"]) / (row["time"] - rows[index - 1]["time"])
+        out.append(speed)
+    return out
 
 
 def _speed(record: dict[str, Any]) -> float | None:
@@ -345,7 +388,8 @@ def _run_rows(s: dict[str, Any]) -> list[list[Any]]:
     snapshot = "none" if s["last_snapshot_step"] is None else f"step {s['last_snapshot_step']}{size}"
     return [["run directory", s["run_dir"]], ["run id", s["run_id"] or "-"], ["state", s["state"]],
             ["script", " ".join([s["script"], *s["script_args"]])], ["ranks", s["ranks"] or "-"], ["precision", s["precision"] or "-"],
-            ["attempts", s["attempts"]], ["restarts", s["restarts"]], ["failures", s["failures"]], ["steps", steps],
+            ["attempts", s["attempts"]], ["restarts", s["restarts"]], ["failures", s["failures"]],
+            ["stops, resumes", f"{s['stops']}, {s['resumes']}"], ["steps", steps],
             ["loss, first → last", f"{_num(s['first_loss'])} → {_num(s['final_loss'])}"], ["wall time", format_duration(s["wall_s"])],
             ["median throughput", "-" if s["median_samples_per_s"] is None else f"{s['median_samples_per_s']:,.0f} samples/s"],
             ["snapshots saved", s["snapshots_saved"]], ["last snapshot", snapshot],

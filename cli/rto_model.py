@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptrun.runtime.policies import daly  # noqa: F401 - one formula: the runtime's auto cadence and estimate-rto
+
 # where a component's value comes from, most trustworthy first
 MEASURED, HISTORY, ESTIMATED, CONFIGURED, ASSUMED, UNKNOWN = (
     "measured", "history", "estimated", "configured", "assumed", "unknown")
@@ -35,14 +37,6 @@ RTO_PARTS = ("detect", "teardown", "verify", "backoff", "restart")
 def young(delta: float, mtbf: float) -> float:
     """Young's checkpoint interval √(2δM)."""
     return math.sqrt(2 * delta * mtbf)
-
-
-def daly(delta: float, mtbf: float) -> float:
-    """Daly's interval √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M."""
-    if delta >= 2 * mtbf:
-        return mtbf
-    ratio = delta / (2 * mtbf)
-    return young(delta, mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - delta
 
 
 def lost_work(tau: float, w: float = 0.0) -> tuple[float, float]:

@@ -127,11 +127,14 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def latest_run(root: Path = RUNS_ROOT) -> Path:
-    """The most recently modified run directory under ``root`` (for ``resume``/``stop`` without a path)."""
+def latest_run(root: Path = RUNS_ROOT, pass_as: str = "--run-dir RUN_DIR") -> Path:
+    """The most recently modified run directory under ``root`` (for ``resume``/``stop`` without a path).
+
+    ``pass_as`` is how the calling command takes a run, so that the hint names an option it has.
+    """
     candidates = [p.parent for p in root.glob(f"*/{RUN_JSON}")]
     if not candidates:
-        raise CkptrunError(f"no runs under {root}/", "pass --run-dir RUN_DIR (or run from the directory that holds runs/)")
+        raise CkptrunError(f"no runs under {root}/", f"pass {pass_as} (or run from the directory that holds runs/)")
     return max(candidates, key=_last_activity)
 
 

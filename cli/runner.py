@@ -18,15 +18,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ckptrun.cli.durations import format_duration
 from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, CkptrunError
 from ckptrun.cli.policy import RestartPolicy, Timeouts
 from ckptrun.cli.progress import Progress
 from ckptrun.cli.recovery import RecoveryOptions
-from ckptrun.cli.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, unique_run_dir
-from ckptrun.cli.spec import LaunchSpec, RunRecord, read_run_record, write_run_record
+from ckptrun.cli.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, holder, unique_run_dir
+from ckptrun.cli.spec import RUN_JSON, LaunchSpec, RunRecord, read_run_record, write_run_record
 from ckptrun.cli.supervisor import Outcome, Snapshot, StopControl, Supervisor
 from ckptrun.cli.world import LocalWorld
 from ckptrun.runtime import records
+from ckptrun.runtime.env import NOT_IMPLEMENTED
 from ckptrun.runtime.manifest import ManifestError, read_manifest
 from ckptrun.runtime.store import fork, list_entries, snapshot_name
 from ckptrun.runtime.verify import newest_verified, verify_snapshot
@@ -46,16 +48,20 @@ def ckpt_dir_of(spec: LaunchSpec, run_dir: Path) -> Path:
 
 def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False) -> int:
     """``ckptrun launch``: a new run directory, then supervision from attempt 1."""
+    if spec.precision in NOT_IMPLEMENTED:  # refused before a run dir or a rank exists (torch is not imported)
+        what, hint = NOT_IMPLEMENTED[spec.precision]
+        raise CkptrunError(f"--precision {spec.precision}: {what}", hint)
     if spec.script is not None:
         if not spec.script.is_file():
             raise CkptrunError(f"training script {spec.script} does not exist", "check the path (or omit SCRIPT to run the embedded default job)")
         spec.script = spec.script.resolve()
     name = spec.name or default_name(spec.script)
-    run_dir = spec.run_dir or unique_run_dir(RUNS_ROOT, name)
-    paths = RunPaths(run_dir)
-    with RunLock(paths) as lock:
-        ckpt_dir = ckpt_dir_of(spec, run_dir)
+    run_dir = spec.run_dir or (RUNS_ROOT / name if spec.name else unique_run_dir(RUNS_ROOT, name))
+    paths, ckpt_dir = RunPaths(run_dir), ckpt_dir_of(spec, run_dir)
+    if holder(paths) is None:  # refuse before creating anything (a held run dir: the lock names its holder)
         _refuse_used(paths, ckpt_dir)
+    with RunLock(paths) as lock:
+        _refuse_used(paths, ckpt_dir)  # again under the lock: another launcher may have just written there
         spec.run_dir, spec.ckpt_dir = run_dir.resolve(), ckpt_dir.resolve()
         record = RunRecord(run_id=f"{name}-{uuid.uuid4().hex[:6]}", argv=argv, spec=spec)
         write_run_record(run_dir, record)
@@ -65,11 +71,28 @@ def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False) -> int:
 
 
 def _refuse_used(paths: RunPaths, ckpt_dir: Path) -> None:
-    hint = "continue it with `ckptrun resume --latest --run-dir RUN_DIR`, or start a new run with another --name"
-    if any(e.kind in ("published", "abandoned") for e in list_entries(ckpt_dir)):
-        raise CkptrunError(f"checkpoint directory {ckpt_dir} already holds snapshots", hint.replace("RUN_DIR", str(paths.root)))
+    """A run dir that holds a run, or a checkpoint dir that holds snapshots, belongs to a run: resume that one."""
     if paths.run_json.exists():
-        raise CkptrunError(f"{paths.root} already holds a run", hint.replace("RUN_DIR", str(paths.root)))
+        raise CkptrunError(f"{paths.root} already holds a run", f"continue it with `ckptrun resume --latest --run-dir "
+                           f"{paths.root}`, or start a new run with another --name")
+    if any(e.kind in ("published", "abandoned") for e in list_entries(ckpt_dir)):
+        owner = _owner(ckpt_dir)
+        which = f"{owner}`" if owner else "RUN_DIR` of the run that wrote them"
+        raise CkptrunError(f"checkpoint directory {ckpt_dir} already holds snapshots",
+                           f"continue it with `ckptrun resume --latest --run-dir {which}, or pass an empty --ckpt-dir "
+                           "for a new run")
+
+
+def _owner(ckpt_dir: Path) -> Path | None:
+    """The run directory whose run.json names ``ckpt_dir`` (its parent, or a run under runs/), if any."""
+    for candidate in [ckpt_dir.parent, *sorted(p.parent for p in RUNS_ROOT.glob(f"*/{RUN_JSON}"))]:
+        try:
+            spec = read_run_record(candidate).spec
+        except CkptrunError:
+            continue
+        if ckpt_dir_of(spec, candidate).resolve() == ckpt_dir.resolve():
+            return candidate
+    return None
 
 
 def _took_over(lock: RunLock) -> None:
@@ -86,17 +109,31 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
     paths = RunPaths(run_dir)
     record = read_run_record(run_dir)
     with RunLock(paths) as lock:
+        completed = _completed(run_dir)
+        if completed is not None and source is None and overrides.get("script_args") is None:
+            outcome = Outcome(EXIT_OK, f"run {record.run_id} already completed (step {completed.get('step')}): "
+                              "nothing to resume, nothing started",
+                              f"`ckptrun resume --from STEP --run-dir {run_dir}` trains again from an older snapshot")
+            return _report(outcome, record, paths, Progress(), as_json)
         for key, value in overrides.items():
             if value is not None:
                 setattr(record.spec, key, value)
         write_run_record(run_dir, record)
         ckpt_dir = ckpt_dir_of(record.spec, run_dir)
-        snapshot = _from_source(ckpt_dir, source) if source else _newest(ckpt_dir)
+        plain = bool(records.read_events(run_dir, "plain_script"))  # it resumes from its own files
+        snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir)
         first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(run_dir, "attempt_start")), default=0)
-        records.log_event(run_dir, "resume", attempt=first, snapshot=str(snapshot.path), snapshot_step=snapshot.step,
-                          argv=argv, forked=bool(source))
+        records.log_event(run_dir, "resume", attempt=first, snapshot=str(snapshot.path) if snapshot else None,
+                          snapshot_step=snapshot.step if snapshot else None,
+                          argv=argv, forked=bool(source), script_args=overrides.get("script_args"))
         _took_over(lock)
         return supervise_run(record, paths, first_attempt=first, resume=snapshot, as_json=as_json)
+
+
+def _completed(run_dir: Path) -> dict[str, Any] | None:
+    """The ``run_completed`` event when the run's last attempt completed it (a later resume reopens it)."""
+    ends = [e for e in records.read_events(run_dir) if e.get("event") in ("run_completed", "attempt_start")]
+    return ends[-1] if ends and ends[-1]["event"] == "run_completed" else None
 
 
 def _newest(ckpt_dir: Path) -> Snapshot:
@@ -136,16 +173,18 @@ def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume
                   as_json: bool = False) -> int:
     """Run the supervisor with signal handlers installed; report its outcome; clean the stop channel."""
     spec = record.spec
-    progress = Progress()
+    progress = Progress(out=sys.stderr if as_json else sys.stdout)  # stdout holds only the JSON document then
     target = [str(spec.script or default_job()), *spec.script_args]
-    world = LocalWorld(spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress)
+    world = LocalWorld(spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress,
+                       restored_step=resume.step if resume else None)
     stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
     policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
     timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)
     checks = RecoveryOptions(spec.deterministic, spec.require_exact_resume, spec.rto_budget, spec.strict_budget)
-    supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume, checks)
+    supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume, checks, faults=spec.inject_fault)
     paths.stop_file.unlink(missing_ok=True)
     progress.say(f"run {record.run_id} in {paths.root} (logs: {paths.logs})")
+    progress.say(f"snapshots (scripts that use ckptrun.runtime): {cadence(spec)}")
     with _stop_signals(stop, spec.stop_signal):
         try:
             outcome = supervisor.supervise()
@@ -154,6 +193,16 @@ def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume
             paths.stop_file.unlink(missing_ok=True)
             progress.close()
     return _report(outcome, record, paths, progress, as_json)
+
+
+def cadence(spec: LaunchSpec) -> str:
+    """When snapshots are saved, in words (printed at launch: the default, auto, saves without being asked)."""
+    if spec.save_every == "auto":
+        return (f"auto: a snapshot after the first step, then every Daly(save cost, MTBF {format_duration(spec.mtbf)}) "
+                "(--save-every-steps N or --save-every-seconds T choose another)")
+    every = [f"{spec.save_every_steps} steps" if spec.save_every_steps else None,
+             format_duration(spec.save_every_seconds) if spec.save_every_seconds else None]
+    return "every " + " or ".join(part for part in every if part)
 
 
 def _report(outcome: Outcome, record: RunRecord, paths: RunPaths, progress: Progress, as_json: bool) -> int:

@@ -21,10 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ckptrun.cli import durations
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
+from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.faults import FaultSpecError, parse_faults
 
 RUN_JSON = "run.json"
 DEFAULT_MTBF_S = 86400.0  # --mtbf: one failure a day, a common figure for a multi-node job
+CADENCE = ("save_every_steps", "save_every_seconds", "save_every")  # one choice: a flag replaces the config's
+RENAMED = {"allow_change": "allow_changes", "args": "script_args"}  # TOML key (= long option) → field
 
 
 def parse_duration(value: Any) -> Any:
@@ -61,10 +64,11 @@ class LaunchSpec(BaseModel):
     precision: Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"] = Field("auto", description="Precision policy.")
     save_every_steps: int | None = Field(None, ge=1, description="Save a snapshot every N optimizer steps.")
     save_every_seconds: float | None = Field(None, gt=0, description="Save when this long passed since the last save.")
-    save_every: Literal["auto"] | None = Field(None, description="auto: the time between saves follows Daly's formula from the measured save cost and --mtbf.")
+    save_every: Literal["auto"] | None = Field(None, description="auto: the time between saves follows Daly's formula from the measured save cost and --mtbf; the default when no --save-every* is given.")
     mtbf: float = Field(DEFAULT_MTBF_S, gt=0, description="Mean time between failures of the job, for --save-every auto.")
     keep_last: int = Field(3, ge=1, description="Verified snapshots kept besides milestones.")
     keep_every: int | None = Field(None, ge=1, description="Snapshots at multiples of M steps are kept forever.")
+    paranoid_retention: bool = Field(False, description="Before retention deletes, re-hash the newest snapshot read past the page cache.")
     async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
     save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")
     max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that end the run (exit 1).")
@@ -79,6 +83,7 @@ class LaunchSpec(BaseModel):
     max_rollbacks: int = Field(3, ge=0, description="Rollbacks before an anomaly stops the run (exit 4).")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback.")
     inject_fault: str | None = Field(None, description="Fault injection spec (tests, demos): see README.")
+    ranks_output: str = Field("all", description="Whose output the launcher shows, prefixed [rankN]: all, none or ranks like 0 or 0,3 (console.log keeps all).")
     # --- supervision ---
     max_restarts: int = Field(3, ge=0, description="Restarts after failures before giving up (exit 1).")
     max_stalled_restarts: int = Field(2, ge=1, description="Restarts in a row that bring no new snapshot before giving up (exit 4).")
@@ -146,6 +151,21 @@ class LaunchSpec(BaseModel):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("ranks_output")
+    @classmethod
+    def _ranks(cls, value: str) -> str:
+        if value in ("all", "none") or all(part.strip().isdigit() for part in value.split(",")):
+            return value
+        raise ValueError("must be all, none, or comma-separated ranks such as 0 or 0,3")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_cadence(cls, data: Any) -> Any:
+        """No --save-every* given: --save-every auto, so a run never goes without a periodic snapshot."""
+        if isinstance(data, dict) and all(data.get(key) is None for key in CADENCE):
+            return {**data, "save_every": "auto"}
+        return data
+
     @model_validator(mode="after")
     def _combinations(self) -> "LaunchSpec":
         if self.strict_budget and self.rto_budget is None:
@@ -153,23 +173,33 @@ class LaunchSpec(BaseModel):
         if self.save_every == "auto" and (self.save_every_seconds is not None or self.save_every_steps is not None):
             raise ValueError("--save-every auto chooses the interval itself; drop --save-every-seconds and "
                              "--save-every-steps (or --save-every auto)")
+        world = int(self.nproc_per_node) if self.nproc_per_node.isdigit() else None  # one node: the world size
+        beyond = [f.rank for f in parse_faults(self.inject_fault) if world and f.rank is not None and f.rank >= world]
+        if beyond:
+            raise ValueError(f"--inject-fault names rank {beyond[0]}, but the world has ranks 0..{world - 1}: "
+                             "it could never fire")
         return self
 
     # --- derived ---
-
-    @property
-    def local_ranks(self) -> int | None:
-        """Ranks per node when given as a number (auto/cpu/gpu are learnt from the workers)."""
-        return int(self.nproc_per_node) if self.nproc_per_node.isdigit() else None
 
     @property
     def heartbeat_interval(self) -> float:
         """How often workers beat: often enough that a few missed beats are not yet a hang."""
         return min(1.0, self.heartbeat_timeout / 5)
 
+    def worker_policy(self) -> dict[str, Any]:
+        """The contract-C1 fields this spec decides, for :class:`RunEnv`: every field both models
+        declare is copied by name (declared once, never copied by hand), the few renamed ones mapped.
+        The run's location, attempt and supervisor facts are the world's to add."""
+        same = {name: getattr(self, name) for name in RunEnv.model_fields
+                if name in type(self).model_fields and name not in ("run_dir", "ckpt_dir")}
+        return {**same, "fault": self.inject_fault, "mtbf_seconds": self.mtbf,
+                "save_every_auto": self.save_every == "auto", "heartbeat_interval": self.heartbeat_interval}
+
 
 def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
+    option = {field: key for key, field in RENAMED.items()}.get(field, field)
+    return "--" + option.replace("_", "-")
 
 
 def _one_line(exc: ValidationError, source: dict[str, Any], config: Path | None, from_file: set[str]) -> CkptrunError:
@@ -180,7 +210,7 @@ def _one_line(exc: ValidationError, source: dict[str, Any], config: Path | None,
         return CkptrunError(message, "see `ckptrun launch --help`")
     if first["type"] == "extra_forbidden":
         where = f"{config}: unknown key {field!r}" if config else f"unknown option {flag_name(field)}"
-        return CkptrunError(where, f"known keys: {', '.join(LaunchSpec.model_fields)}")
+        return CkptrunError(where, f"known keys: {', '.join(flag_name(f)[2:] for f in LaunchSpec.model_fields)}")
     value = source.get(field)
     where = f"{config}: {field} = {value!r}" if field in from_file and config else f"{flag_name(field)} {value}"
     return CkptrunError(f"{where}: {message}", f"fix {flag_name(field)} (see `ckptrun launch --help`)")
@@ -195,8 +225,9 @@ def read_config(path: Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise CkptrunError(f"config file {path} is not valid TOML: {exc}", "fix the file's syntax") from None
     data = {key.replace("-", "_"): value for key, value in data.items()}
-    if "args" in data and "script_args" not in data:
-        data["script_args"] = data.pop("args")
+    for key, field in RENAMED.items():  # allow-changes, the old key, is the field's own name: still read
+        if key in data and field not in data:
+            data[field] = data.pop(key)
     return data
 
 
@@ -204,6 +235,8 @@ def build_spec(flags: dict[str, Any], config: Path | None = None) -> LaunchSpec:
     """The spec from a config file overlaid by the flags that were given (``None`` means not given)."""
     from_file = read_config(config) if config else {}
     given = {key: value for key, value in flags.items() if value is not None}
+    if any(key in given for key in CADENCE):  # a cadence typed on the command line replaces the file's
+        from_file = {key: value for key, value in from_file.items() if key not in CADENCE}
     merged = {**from_file, **given}
     try:
         return LaunchSpec.model_validate(merged)

@@ -176,6 +176,7 @@ def collect(run_dir: Path, rates: StepRates, budget: float | None = None, now: f
         **current,
         "progress": progress(metrics, step_budget(spec, manifest), state),
         "ranks": ranks,
+        "plain_script": any(e.get("event") == "plain_script" for e in events),
         "snapshot": snapshot,
         "rto": rto(events, budget),
     }
@@ -312,7 +313,7 @@ def render(doc: dict[str, Any]) -> str:
     lines = [f"run       {doc['run_dir']}" + (f" ({doc['run_id']})" if doc["run_id"] else ""),
              f"state     {_state_words(doc)}",
              f"progress  {_progress_words(doc['progress'])}",
-             f"snapshot  {_snapshot_words(doc['snapshot'])}",
+             f"snapshot  {_snapshot_words(doc['snapshot'], doc['plain_script'])}",
              f"RTO       {_rto_words(doc['rto'])}", ""]
     return "\n".join(lines + _rank_table(doc["ranks"]))
 
@@ -340,7 +341,9 @@ def _progress_words(p: dict[str, Any]) -> str:
     return " · ".join(words)
 
 
-def _snapshot_words(s: dict[str, Any] | None) -> str:
+def _snapshot_words(s: dict[str, Any] | None, plain: bool) -> str:
+    if s is None and plain:
+        return "none (the script does not use ckptrun.runtime: after a failure it resumes from its own files)"
     if s is None:
         return "none yet (a failure now restarts from the beginning)"
     check = "sizes ok" if s["verified"] else f"FAILS the size check ({'; '.join(s['problems'][:2])})"
@@ -362,7 +365,7 @@ def _rto_words(r: dict[str, Any]) -> str:
 
 def _rank_table(ranks: list[dict[str, Any]]) -> list[str]:
     if not ranks:
-        return ["no heartbeats yet (ranks starting, or the script does not use ckptrun.runtime)"]
+        return ["no heartbeats yet (ranks starting; a script without ckptrun.runtime beats from its first optimizer step)"]
     rows = [("RANK", "PID", "ALIVE", "PHASE", "STEP", "HEARTBEAT", "STEPS/S", "FLAGS")]
     for r in ranks:
         rate = "n/a" if r["steps_per_s"] is None else f"{r['steps_per_s']:.2f}"

@@ -19,7 +19,7 @@ is :class:`ckptrun.cli.world.LocalWorld`. Importable without torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,7 +28,10 @@ from ckptrun.cli.failures import RankFailure, describe_failure, root_cause
 from ckptrun.cli.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect, stale_ranks,
                                 waiting_on_peers)
 from ckptrun.cli.recovery import Recovery, RecoveryOptions, relaunch_parts
+from ckptrun.runtime.faults import parse_faults
 from ckptrun.runtime.records import Heartbeat
+
+STEP_FAULTS = ("kill", "hang", "exit")  # what the bootstrap's step hook fires in a plain script; the rest need the runtime
 
 
 class State(str, enum.Enum):
@@ -87,7 +90,10 @@ class World(Protocol):
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]: ...
     def teardown(self) -> float: ...
     def newest_snapshot(self) -> Snapshot | None: ...
+    def quarantine(self, snapshot: Path, status: str, reason: str) -> Path: ...
+    def abandon_after(self, snapshot: Path | None) -> list[Path]: ...
     def request_stop(self) -> None: ...
+    def terminate_ranks(self) -> None: ...
     def request_estimate(self, backoff_s: float) -> None: ...
     def late_steps(self) -> list[dict[str, Any]]: ...
     def stop_file_present(self) -> bool: ...
@@ -151,13 +157,15 @@ class Supervisor:
     """Runs attempts until the job succeeds, stops, or the policy gives up."""
 
     def __init__(self, world: World, policy: RestartPolicy, timeouts: Timeouts, stop: StopControl,
-                 first_attempt: int = 1, resume: Snapshot | None = None, recovery: RecoveryOptions | None = None) -> None:
+                 first_attempt: int = 1, resume: Snapshot | None = None, recovery: RecoveryOptions | None = None,
+                 faults: str | None = None) -> None:
         self.world, self.policy, self.timeouts, self.stop = world, policy, timeouts, stop
         self.first_attempt, self.resume = first_attempt, resume
         self.restarts = 0  # the one restart counter
         self.stalled_restarts = 0
-        self.runtime_seen = False
-        self.plain_notice_given = False
+        self.runtime_seen = False  # a runtime heartbeat, or a failure record saying the script imports the runtime
+        self.plain_seen = False  # a step-hook heartbeat: the script does not use the runtime
+        self.runtime_only_faults = sorted({f.kind for f in parse_faults(faults)} - set(STEP_FAULTS))
         self.pending_restart: dict[str, Any] | None = None
         self.recovery = Recovery(recovery)
         self.abort: GiveUp | None = None  # a recovery check ended the run
@@ -217,8 +225,6 @@ class Supervisor:
         if stale:
             self._stalled(watch, obs, stale)
             return True
-        if obs.time - watch.launched > self.timeouts.startup and not self.runtime_seen:
-            self._plain_script_notice()
         return False
 
     # --- observations -----------------------------------------------------------
@@ -227,7 +233,10 @@ class Supervisor:
         for rank, view in obs.ranks.items():
             if view.beat is not None:
                 watch.beats[rank] = view.beat
-                self.runtime_seen = True
+                if view.beat.source == "runtime":
+                    self.runtime_seen = True
+                else:
+                    self._plain_script_notice()
             if not view.alive and watch.gone_at is None:
                 watch.gone_at = obs.time
         if obs.last_step is not None:
@@ -253,7 +262,7 @@ class Supervisor:
             return False
         self.abort = GiveUp(EXIT_UNRECOVERABLE, "the resumed run diverged from the original (--require-exact-resume)",
                             "some state was not restored (RNG, data position, optimizer): see the restart event in "
-                            "events.jsonl; the snapshot is kept, nothing after the divergence was saved")
+                            "events.jsonl; the snapshot it resumed from is kept")
         self._log_pending_restart(watch, final=True)
         if obs.agent_exit is not None:
             return False
@@ -262,20 +271,37 @@ class Supervisor:
         watch.state, watch.forced = State.STOPPED, True
         return True
 
+    @property
+    def plain(self) -> bool:
+        """The script does not use ckptrun.runtime: its steps are seen only through torch's optimizer hook."""
+        return self.plain_seen and not self.runtime_seen
+
     def _plain_script_notice(self) -> None:
-        if not self.plain_notice_given:
-            self.plain_notice_given = True
-            self.world.say("note: no rank wrote a heartbeat: this script does not use ckptrun.runtime. "
-                           "Crashes will restart it (it resumes from its own files), but hang detection "
-                           "and verified snapshots need the runtime (`import ckptrun.runtime`).")
+        """Said once, when it is known: a step-hook heartbeat, or a failure record of a script without the runtime."""
+        if self.plain_seen or self.runtime_seen:
+            return
+        self.plain_seen = True
+        self.world.event("plain_script")
+        self.world.say("note: this script does not use ckptrun.runtime: its optimizer steps are watched (hangs, "
+                       "status, faults) and a failure restarts it (it resumes from its own files); verified "
+                       "snapshots, exact resume and saving on `ckptrun stop` need the runtime.")
+        if self.runtime_only_faults:
+            self.world.say(f"warning: --inject-fault {', '.join(self.runtime_only_faults)} can never fire: "
+                           "it needs ckptrun.runtime")
 
     # --- endings ----------------------------------------------------------------
 
     def _begin_stop(self, watch: AttemptWatch, reason: str, now: float) -> None:
         self.world.request_stop()
         watch.state, watch.kill_deadline = State.STOPPING, now + self.timeouts.grace
-        self.world.event("stop_requested", attempt=watch.attempt, reason=reason, grace_s=self.timeouts.grace)
-        self.world.say(f"stopping ({reason}): the ranks save a snapshot at the next step boundary and exit")
+        self.world.event("stop_requested", attempt=watch.attempt, reason=reason, grace_s=self.timeouts.grace,
+                         plain_script=self.plain)
+        if not self.plain:
+            self.world.say(f"stopping ({reason}): the ranks save a snapshot at the next step boundary and exit")
+            return
+        self.world.say(f"stopping ({reason}): this script does not use ckptrun.runtime, so it cannot be asked to "
+                       f"save; sending its ranks SIGTERM and waiting up to {self.timeouts.grace:g}s for them to exit")
+        self.world.terminate_ranks()
 
     def _force_stop(self, watch: AttemptWatch, obs: Observation) -> None:
         why = "a second signal" if self.stop.forced else f"the grace period ({self.timeouts.grace:g}s) ran out"
@@ -287,7 +313,9 @@ class Supervisor:
     def _ended(self, watch: AttemptWatch, obs: Observation) -> None:
         """torchrun exited: success, the agreed stop, or a crash."""
         stopped_event = bool(self.world.attempt_events("stopped"))
-        if obs.agent_exit == 0:
+        if watch.state is State.STOPPING and self.plain:
+            watch.state, watch.forced = State.STOPPED, obs.agent_exit != 0  # clean only if every rank exited 0
+        elif obs.agent_exit == 0:
             watch.state = State.SUCCEEDED
         elif watch.state is State.STOPPING or stopped_event:
             watch.state = State.STOPPED
@@ -306,11 +334,13 @@ class Supervisor:
                                                    exception=agent_error)
         if any(f.uses_runtime for f in failures):
             self.runtime_seen = True  # it failed before its first heartbeat, but it is not a plain script
+        elif root.uses_runtime is False:
+            self._plain_script_notice()
         beat = watch.beats.get(root.rank) if root.rank is not None else None
         steps = [s for s in (beat.step if beat else None, watch.last_step) if s is not None]
         last_life = max([t for t in (beat.time if beat else None, watch.last_step_time) if t is not None], default=None)
         return {"cause": "crash", **root.to_json(), "step": max(steps, default=None), "last_sign_of_life": last_life,
-                "plain_script": not self.runtime_seen}
+                "plain_script": self.plain}
 
     def _stalled(self, watch: AttemptWatch, obs: Observation, stale: list[int]) -> None:
         watch.state, watch.detected_at = State.STALLED, obs.time
@@ -321,7 +351,7 @@ class Supervisor:
         steps = [s for s in (beat.step if beat else None, watch.last_step) if s is not None]
         watch.failure = {"cause": "hang", "rank": suspect, "suspect": suspect, "stale_ranks": stale,
                          "step": max(steps, default=None), "phase": beat.phase if beat else "start",
-                         "last_sign_of_life": beat.time if beat else watch.launched,
+                         "last_sign_of_life": beat.time if beat else watch.launched, "plain_script": self.plain,
                          "waiting_on_peers": {str(r): waiting_on_peers(stacks.get(r, "")) for r in stale}}
         self.world.teardown()
         watch.teardown_s = self.world.now() - obs.time
@@ -333,8 +363,6 @@ class Supervisor:
         detect_s = (watch.detected_at - life) if (watch.detected_at and life) else None
         failure.update(attempt=watch.attempt, detected_at=watch.detected_at, detect_s=detect_s)
         self.world.event("failure", **failure)
-        if failure.get("plain_script"):
-            self._plain_script_notice()
         self.world.say(f"attempt {watch.attempt} failed: {describe_failure(failure)}")
 
     # --- after an attempt ---------------------------------------------------------
@@ -347,7 +375,6 @@ class Supervisor:
         return RestartFacts(
             first_attempt=watch.attempt == self.first_attempt,
             reached_first_step=watch.first_step_time is not None,
-            runtime_used=self.runtime_seen,
             load_failure=failure.get("phase") == "load",
             fatal=self.world.fatal_records(),
             restarts=self.restarts,
@@ -357,6 +384,7 @@ class Supervisor:
     def _prepare_restart(self, watch: AttemptWatch, verdict: Restart) -> Snapshot | None | bool:
         """Count the restart, verify the newest snapshot, back off. False when a stop arrives meanwhile."""
         self.restarts += 1
+        self._quarantine_unloadable(watch)
         snapshot = self.world.newest_snapshot()
         if not self._wait(verdict.delay):
             return False
@@ -370,9 +398,24 @@ class Supervisor:
             "lost_steps": lost, "detect_s": failure.get("detect_s"), "teardown_s": watch.teardown_s,
             "verify_s": snapshot.verify_s if snapshot else 0.0, "backoff_s": verdict.delay,
         }
-        where = f"snapshot step {snapshot.step}" if snapshot else "the start (no verified snapshot)"
-        self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} from {where}")
+        where = (f"from snapshot step {snapshot.step}" if snapshot else
+                 "(the script resumes from its own files)" if self.plain else "from the start (no verified snapshot)")
+        self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} {where}")
         return snapshot
+
+    def _quarantine_unloadable(self, watch: AttemptWatch) -> None:
+        """The attempt could not load the snapshot it was given (its ranks agreed and said so in a
+        ``restore_failed`` event): set it aside, so that the restart uses the next newest verified one."""
+        if watch.resume is None:
+            return
+        for record in self.world.attempt_events("restore_failed"):
+            if record.get("snapshot") == str(watch.resume.path):
+                moved = self.world.quarantine(watch.resume.path, "unloadable", str(record.get("reason", "")))
+                self.world.event("snapshot_quarantined", attempt=watch.attempt, snapshot=str(watch.resume.path),
+                                 step=watch.resume.step, status="unloadable", reason=record.get("reason"),
+                                 moved_to=str(moved))
+                self.world.say(f"snapshot step {watch.resume.step} verifies but does not load: moved to {moved}")
+                return
 
     def _wait(self, seconds: float) -> bool:
         """Back off, still honouring stop requests (nothing runs meanwhile)."""
@@ -408,6 +451,8 @@ class Supervisor:
                        attempts=watch.attempt - self.first_attempt + 1, restarts=self.restarts)
 
     def _stopped(self, watch: AttemptWatch) -> Outcome:
+        if self.plain:
+            return self._plain_stopped(watch)
         stopped = self.world.attempt_events("stopped")
         snapshot = self.world.newest_snapshot()
         attempts = watch.attempt - self.first_attempt + 1
@@ -420,17 +465,47 @@ class Supervisor:
         return Outcome(EXIT_STOPPED, f"stopped; newest verified snapshot: step {snapshot.step}",
                        "continue with `ckptrun resume --latest`", attempts, self.restarts)
 
+    def _plain_stopped(self, watch: AttemptWatch) -> Outcome:
+        """A plain script was sent SIGTERM: resumable only if it exited cleanly (then it saved what it saves)."""
+        attempts = watch.attempt - self.first_attempt + 1
+        self.world.event("run_stopped", attempt=watch.attempt, forced=watch.forced, step=watch.last_step,
+                         snapshot_step=None, plain_script=True)
+        if watch.forced:
+            return Outcome(EXIT_NO, "the script did not exit cleanly on SIGTERM (it was killed or exited non-zero); "
+                           "whether it saved its state is unknown", "look at its log under logs/; "
+                           "`ckptrun resume --latest` relaunches it from its own files", attempts, self.restarts)
+        return Outcome(EXIT_STOPPED, "stopped: the script exited cleanly on SIGTERM",
+                       "continue with `ckptrun resume --latest` (it resumes from its own files)", attempts, self.restarts)
+
     def _aborted(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
         """A recovery check ended the run: an RTO over a strict budget, a diverged resume."""
+        if self.recovery.options.require_exact_resume and self.recovery.diverged():
+            verdict = self._abandon_diverged(watch, verdict)
         self.world.event("gave_up", attempt=watch.attempt, exit_code=verdict.code, reason=verdict.reason,
                          restarts=self.restarts)
         return Outcome(verdict.code, verdict.reason, verdict.hint, watch.attempt - self.first_attempt + 1, self.restarts)
+
+    def _abandon_diverged(self, watch: AttemptWatch, verdict: GiveUp) -> GiveUp:
+        """The ranks are gone: what the diverged attempt saved moves out of the lineage, so that neither
+        `resume --latest` nor a restart picks it; the hint says what happened to it."""
+        moved = self.world.abandon_after(watch.resume.path if watch.resume else None)
+        if not moved:
+            return replace(verdict, hint=f"{verdict.hint}; nothing after the divergence was saved")
+        self.world.event("snapshots_abandoned", attempt=watch.attempt, reason="diverged resume",
+                         snapshots=[str(p) for p in moved])
+        names = ", ".join(p.name for p in moved)
+        return replace(verdict, hint=f"{verdict.hint}; what the diverged attempt saved ({names}) was moved to "
+                                     f"{moved[0].parent} and will not be resumed from")
 
     def _give_up(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
         failure = watch.failure or {}
         self.world.event("gave_up", attempt=watch.attempt, exit_code=verdict.code, reason=verdict.reason,
                          restarts=self.restarts)
         log = failure.get("log")
-        hint = verdict.hint + (f"; full traceback in {log}" if log and failure.get("exception") else "")
+        if failure.get("stderr_tail"):
+            self.world.say(f"the last lines rank {failure.get('rank')} wrote to stderr:")
+            for line in failure["stderr_tail"]:
+                self.world.say(f"  | {line}")
+        hint = verdict.hint + (f"; full log in {log}" if log else "")
         return Outcome(verdict.code, f"{verdict.reason}: {describe_failure(failure)}", hint,
                        watch.attempt - self.first_attempt + 1, self.restarts)

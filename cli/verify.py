@@ -8,7 +8,8 @@ or one JSON document with ``--json``).
 
 Exit 0 when every published snapshot (abandoned ones included) verifies; saves in
 progress and snapshots deleted by retention during the scan do not fail it.
-Exit 1 when one is corrupt or incomplete, 2 when PATH is not something to verify.
+Exit 1 when one is corrupt, incomplete or unloadable (quarantined because it
+verified but did not load), 2 when PATH is not something to verify.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from ckptrun.runtime.store import (
     ABANDONED_DIR,
     LINEAGE_NAME,
+    QUARANTINE_DIR,
     SNAPSHOT_RE,
     TEMP_RE,
     Entry,
     Lineage,
     LineageError,
     list_entries,
+    quarantine_reason,
     read_lineage,
 )
 from ckptrun.runtime.verify import (
@@ -49,7 +52,8 @@ from ckptrun.runtime.verify import (
     report_entry,
 )
 
-FAILING = (CORRUPT, INCOMPLETE)
+UNLOADABLE = "unloadable"
+FAILING = (CORRUPT, INCOMPLETE, UNLOADABLE)
 PATH_HINT = "pass a checkpoint directory (RUN_DIR/checkpoints), a run directory, or one step-NNNNNNNNN snapshot directory"
 
 
@@ -107,14 +111,16 @@ def _looks_like_snapshot(path: Path) -> bool:
 
 
 def _is_ckpt_dir(path: Path) -> bool:
-    return path.is_dir() and ((path / LINEAGE_NAME).is_file() or (path / ABANDONED_DIR).is_dir() or bool(list_entries(path)))
+    return path.is_dir() and ((path / LINEAGE_NAME).is_file() or (path / ABANDONED_DIR).is_dir()
+                              or (path / QUARANTINE_DIR).is_dir() or bool(list_entries(path)))
 
 
 def _single_entry(path: Path) -> Entry:
     step = _step_of(path.name)
     if TEMP_RE.match(path.name):
         return Entry(path, step, "temp")
-    kind = "abandoned" if path.parent.parent.name == ABANDONED_DIR else "published"
+    holder = path.parent.parent.name
+    kind = {ABANDONED_DIR: "abandoned", QUARANTINE_DIR: "quarantined"}.get(holder, "published")
     return Entry(path, step, kind)
 
 
@@ -149,7 +155,18 @@ def _verify_entries(
     entries: list[Entry], lineage: Lineage | None, quick: bool, progress: Callable[[int], None] | None, threads: int
 ) -> list[SnapshotReport]:
     with ThreadPoolExecutor(threads) as pool:
-        return [report_entry(entry, lineage, quick, progress, pool) for entry in entries]
+        return [_quarantined(entry, report_entry(entry, lineage, quick, progress, pool)) for entry in entries]
+
+
+def _quarantined(entry: Entry, report: SnapshotReport) -> SnapshotReport:
+    """A quarantined snapshot whose bytes verify takes the status it was set aside for (``unloadable``)."""
+    if entry.kind != "quarantined":
+        return report
+    why = quarantine_reason(entry.path) or {}
+    report.problems.insert(0, f"quarantined: {why.get('reason') or 'no reason recorded'}")
+    if report.ok:
+        report.status = why.get("status") or UNLOADABLE
+    return report
 
 
 @contextmanager
@@ -230,7 +247,8 @@ def _summary(reports: list[SnapshotReport], quick: bool) -> str:
     if not reports:
         return "no snapshots found"
     published = [r for r in reports if r.status != IN_PROGRESS]
-    counts = [(sum(r.status == status for r in published), status) for status in (OK, CORRUPT, INCOMPLETE, VANISHED)]
+    statuses = (OK, CORRUPT, INCOMPLETE, UNLOADABLE, VANISHED)
+    counts = [(sum(r.status == status for r in published), status) for status in statuses]
     text = f"{len(published)} snapshot{'' if len(published) == 1 else 's'}, {human_bytes(sum(r.bytes for r in published))}: "
     text += ", ".join(f"{count} {status}" for count, status in counts if count) or "none published"
     in_progress, abandoned = len(reports) - len(published), sum(r.abandoned for r in reports)

@@ -20,12 +20,14 @@ from typing import Any
 import psutil
 
 from ckptrun.cli.attempt import AttemptProcess, torchrun_command
-from ckptrun.cli.failures import CONSOLE_NAME, FAILURES_NAME, RankFailure, rank_log, read_failures
+from ckptrun.cli.durations import format_duration
+from ckptrun.cli.failures import CONSOLE_NAME, FAILURES_NAME, RankFailure, rank_log, read_failures, stderr_tail
 from ckptrun.cli.progress import Progress, Status
+from ckptrun.cli.rank_output import PREFIX_TEMPLATE, PREFIX_VARIABLE, RankOutput, selector
 from ckptrun.cli.rundir import RunPaths
 from ckptrun.cli.spec import LaunchSpec
 from ckptrun.cli.supervisor import Observation, RankView, Snapshot
-from ckptrun.runtime import records
+from ckptrun.runtime import records, store
 from ckptrun.runtime.env import PREFIX, RunEnv
 from ckptrun.runtime.verify import newest_verified
 
@@ -76,11 +78,14 @@ class LocalWorld:
     """One node's attempts, observed through psutil and the run directory."""
 
     def __init__(self, spec: LaunchSpec, run_id: str, paths: RunPaths, ckpt_dir: Path, target: list[str],
-                 progress: Progress) -> None:
+                 progress: Progress, restored_step: int | None = None) -> None:
         self.spec, self.run_id, self.paths, self.ckpt_dir = spec, run_id, paths, ckpt_dir
         self.target, self.progress = target, progress
         self.attempt = 0
         self.process: AttemptProcess | None = None
+        self.rank_output: RankOutput | None = None
+        self.show_ranks = selector(spec.ranks_output)
+        self.cadence_told = False
         self.launched = 0.0
         self.metrics = JsonlTail(paths.root / records.METRICS)
         self.events = JsonlTail(paths.root / records.EVENTS)
@@ -88,7 +93,7 @@ class LocalWorld:
         self.first_step_time: float | None = None
         self.last_metric: dict[str, Any] | None = None
         self.rate_base: dict[str, Any] | None = None
-        self.snapshot_step: int | None = None
+        self.snapshot_step: int | None = restored_step  # the status line names the snapshot a resume restored
         self.new_steps: list[dict[str, Any]] = []  # step records since the last observe()
         self.attempt_snapshot: int | None = None  # newest snapshot this attempt saved
         self.estimates: list[dict[str, Any]] = []  # finished RTO estimates, handed over by observe()
@@ -106,18 +111,11 @@ class LocalWorld:
 
     def run_env(self, attempt: int, resume_from: Path | None) -> RunEnv:
         """Contract C1 for one attempt: built here and nowhere else."""
-        spec = self.spec
         return RunEnv(
-            run_id=self.run_id, run_dir=self.paths.root.resolve(), ckpt_dir=self.ckpt_dir.resolve(), attempt=attempt,
-            supervised=True, supervisor_pid=self.supervisor.pid, supervisor_start_time=self.supervisor.create_time(),
-            resume_from=resume_from, precision=spec.precision, save_every_steps=spec.save_every_steps,
-            save_every_seconds=spec.save_every_seconds, keep_last=spec.keep_last, keep_every=spec.keep_every,
-            async_save=spec.async_save, save_overlap=spec.save_overlap, max_failed_saves=spec.max_failed_saves, heartbeat_interval=spec.heartbeat_interval, seed=spec.seed,
-            deterministic=spec.deterministic, threads=spec.threads, hash_algorithm=spec.hash_algorithm,
-            allow_changes=tuple(spec.allow_changes), fault=spec.inject_fault, on_anomaly=spec.on_anomaly,
-            anomaly_sigma=spec.anomaly_sigma, anomaly_window=spec.anomaly_window, max_rollbacks=spec.max_rollbacks,
-            rollback_lr_factor=spec.rollback_lr_factor, save_every_auto=spec.save_every == "auto",
-            mtbf_seconds=spec.mtbf, save_interval_cap_seconds=self._interval_cap(),
+            **self.spec.worker_policy(), run_id=self.run_id, run_dir=self.paths.root.resolve(),
+            ckpt_dir=self.ckpt_dir.resolve(), attempt=attempt, supervised=True, supervisor_pid=self.supervisor.pid,
+            supervisor_start_time=self.supervisor.create_time(), resume_from=resume_from,
+            save_interval_cap_seconds=self._interval_cap(),
         )
 
     def _interval_cap(self) -> float | None:
@@ -137,7 +135,12 @@ class LocalWorld:
         log_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
         env.update(self.run_env(attempt, resume_from).to_env())
+        # console.log gets [rankN]: lines as they are printed (prints reach a file, not a terminal: unbuffered)
+        env.update({PREFIX_VARIABLE: PREFIX_TEMPLATE, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED") or "1"})
         command = torchrun_command(log_dir / FAILURES_NAME, torchrun_args(self.spec, log_dir), self.target)
+        self._stop_rank_output()
+        if self.show_ranks is not None:
+            self.rank_output = RankOutput(log_dir / CONSOLE_NAME, self.show_ranks, self.progress.echo)
         self.process = AttemptProcess(command, env, log_dir / CONSOLE_NAME)
 
     # --- observing ---
@@ -171,6 +174,10 @@ class LocalWorld:
             self.attempt_log.append(record)
             if record.get("event") == "snapshot_saved":
                 self.snapshot_step = self.attempt_snapshot = record.get("step")
+            elif record.get("event") == "cadence" and not self.cadence_told:
+                self.cadence_told = True
+                self.say(f"save cadence: a snapshot every {format_duration(record.get('interval_s'))} ({record.get('reason')}; "
+                         f"save cost δ {format_duration(record.get('stall_s'))}, MTBF {format_duration(record.get('mtbf_s'))})")
 
     def late_steps(self) -> list[dict[str, Any]]:
         """Step records read after the last observation (while the attempt ended)."""
@@ -190,6 +197,7 @@ class LocalWorld:
             if failure.rank is not None:
                 found = rank_log(log_dir, failure.rank)
                 failure.log = str(found) if found else failure.log
+                failure.stderr_tail = stderr_tail(found)
         return failures, agent_error
 
     def fatal_records(self) -> list[dict[str, Any]]:
@@ -222,12 +230,20 @@ class LocalWorld:
     def teardown(self) -> float:
         seconds = self._process().teardown(self.spec.grace_period, self.run_id)
         self._link_rank_logs()
+        self._stop_rank_output()
         return seconds
 
     def close(self) -> None:
         """Tear down an attempt still running (the supervisor is leaving on an error of its own)."""
         if self.process is not None and self.process.exit_code() is None:
             self.teardown()
+        self._stop_rank_output()
+
+    def _stop_rank_output(self) -> None:
+        """The ranks' last lines reach the terminal before what the supervisor says next."""
+        if self.rank_output is not None:
+            self.rank_output.stop()
+            self.rank_output = None
 
     def newest_snapshot(self) -> Snapshot | None:
         started = time.monotonic()
@@ -236,8 +252,19 @@ class LocalWorld:
             return None
         return Snapshot(report.path, report.step, time.monotonic() - started)
 
+    def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
+        return store.quarantine(snapshot, status, reason)
+
+    def abandon_after(self, snapshot: Path | None) -> list[Path]:
+        return store.abandon_after(self.ckpt_dir, snapshot)
+
     def request_stop(self) -> None:
         self.paths.stop_file.touch()
+
+    def terminate_ranks(self) -> None:
+        """SIGTERM to every rank (a plain script's stop: it cannot be asked to save)."""
+        process = self._process()
+        process.signal_ranks(list(process.discover_ranks()), signal.SIGTERM)
 
     def request_estimate(self, backoff_s: float) -> None:
         """Estimate the RTO on a thread (it hashes and reads the newest snapshot); observe() hands it over."""

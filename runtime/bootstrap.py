@@ -8,8 +8,13 @@ uncaught exception, in torchrun's format plus ``ckptrun_phase``: ``load`` when
 the script never started (missing file, syntax error: a restart cannot help),
 ``run`` otherwise, and whether the script had imported ``ckptrun.runtime`` (so
 the supervisor knows a failure before the first heartbeat is not a plain
-script's). It also installs the SIGUSR2 stack dump early, so a rank that
-hangs before ``ckptrun.runtime.init()`` still shows where it is.
+script's; a script whose code imports it counts even when it failed before
+``init()``). A ``sys.exit`` with a non-zero code is recorded too. Before the
+script runs it installs, for every script: the SIGUSR2 stack dump (a rank that
+hangs before ``init()``, or never calls it, still shows where it is), the
+watch on the supervisor (a SIGKILLed supervisor leaves no rank behind) and
+the optimizer-step hook (:mod:`ckptrun.runtime.step_hook`: a plain script's
+steps beat the heartbeat).
 
 Usage (what torchrun runs): ``python -m ckptrun.runtime.bootstrap SCRIPT [ARGS...]``
 or ``python -m ckptrun.runtime.bootstrap -m MODULE [ARGS...]``. Importable
@@ -23,20 +28,39 @@ import importlib.util
 import json
 import os
 import runpy
-import signal
 import sys
 import time
 import traceback
 from types import CodeType
 
+from ckptrun.runtime import step_hook
+from ckptrun.runtime.env import EnvError, RunEnv
+from ckptrun.runtime.liveness import enable_stack_dumps, watch_supervisor
+
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # torchrun's name, not a ckptrun contract
 _recorded: set[int] = set()
+_OWN_MODULES = frozenset(name for name in sys.modules if name.startswith("ckptrun.runtime."))
+_imports_runtime = False  # the script's code imports ckptrun.runtime (set when it is compiled)
 
 
 def _uses_runtime() -> bool:
-    """Whether the script got as far as loading the runtime (any module besides this shim)."""
-    return any(name.startswith("ckptrun.runtime.") and name != __name__ and name != "ckptrun.runtime.bootstrap"
-               for name in sys.modules)
+    """Whether the script uses the runtime: its code imports it, or it loaded a runtime module this shim does not."""
+    return _imports_runtime or any(name.startswith("ckptrun.runtime.") and name not in _OWN_MODULES
+                                   and name != "ckptrun.runtime.bootstrap" for name in sys.modules)
+
+
+def names_runtime(code: CodeType) -> bool:
+    """Whether compiled code imports ckptrun.runtime anywhere (nested functions included)."""
+    names = set(code.co_names)
+    if any(name.startswith("ckptrun.runtime") for name in names) or {"ckptrun", "runtime"} <= names:
+        return True
+    return any(names_runtime(const) for const in code.co_consts if isinstance(const, CodeType))
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, str) else f"exited with code {exc.code}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def record_failure(exc: BaseException, phase: str) -> None:
@@ -47,7 +71,7 @@ def record_failure(exc: BaseException, phase: str) -> None:
         return
     data = {
         "message": {
-            "message": f"{type(exc).__name__}: {exc}",
+            "message": _message(exc),
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc)),
                 "timestamp": str(int(time.time())),
@@ -71,8 +95,9 @@ def _compile_script(path: str) -> CodeType:
 
 
 def _run_script(path: str, args: list[str]) -> None:
+    global _imports_runtime
     try:
-        _compile_script(path)  # fail here, as phase "load", before the script runs anything
+        _imports_runtime = names_runtime(_compile_script(path))  # fail here, as phase "load", before it runs
     except (OSError, SyntaxError, ValueError) as exc:
         record_failure(exc, "load")
         raise
@@ -91,6 +116,13 @@ def _run_module(name: str, args: list[str]) -> None:
         exc = ModuleNotFoundError(f"No module named {name!r}")
         record_failure(exc, "load")
         raise exc
+    global _imports_runtime
+    try:
+        code = spec.loader.get_code(name) if spec.loader is not None and hasattr(spec.loader, "get_code") else None
+    except (ImportError, SyntaxError) as exc:
+        record_failure(exc, "load")
+        raise
+    _imports_runtime = code is not None and names_runtime(code)
     sys.argv = [spec.origin or name, *args]
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
@@ -99,18 +131,31 @@ def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         sys.exit("usage: python -m ckptrun.runtime.bootstrap (SCRIPT | -m MODULE) [ARGS...]")
     faulthandler.enable(all_threads=True)
-    faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True, chain=False)
+    enable_stack_dumps()
+    _watch_supervisor()
+    step_hook.install()
     try:
         if argv[0] == "-m":
             _run_module(argv[1], argv[2:])
         else:
             _run_script(argv[0], argv[1:])
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            record_failure(exc, "run")
         raise
     except BaseException as exc:
         if id(exc) not in _recorded:
             record_failure(exc, "run")
         raise
+
+
+def _watch_supervisor() -> None:
+    """Every rank exits when the supervisor is gone, whether or not the script ever calls ``init()``."""
+    try:
+        env = RunEnv.from_env()
+    except EnvError:
+        return  # init() reports a malformed C1; a plain script under ckptrun never sees one
+    watch_supervisor(env.supervisor_pid, env.supervisor_start_time)
 
 
 if __name__ == "__main__":

@@ -3,19 +3,23 @@
 Position is stored globally — samples consumed in the current epoch across all
 ranks — because rank ``r`` takes ``perm[r::world]``: after every rank consumed
 ``k`` samples the consumed set is exactly ``perm[:k*world]``, so a later
-version can re-partition it for another world size. Counting happens when a
-batch is handed to the training loop (consumed), not when a worker produces it
-(prefetched). Shuffling and worker seeds come from generators seeded by
+version can re-partition it for another world size. Position counts what a
+training step *consumed*, not what a worker prefetched nor what an iterator
+handed out: each ``iter(loader)`` counts its own batches and the run commits
+the furthest one at the end of a step, so a probe ``next(iter(loader))`` (or an
+iterator never used) moves nothing, and new iterators start at the committed
+position. Shuffling and worker seeds come from generators seeded by
 (seed, epoch), never from the global RNG, so creating an iterator draws nothing
 from the RNG that dropout uses.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from ckptrun.runtime import collectives
 
@@ -49,12 +53,14 @@ class ResumableSampler(Sampler[int]):
 class DataLoader:
     """``torch.utils.data.DataLoader`` with a resumable position (drop-in for the common arguments).
 
-    Iterating yields one epoch from the current position; the position is
-    advanced as batches are consumed and rolls to the next epoch at the end.
+    Iterating yields one epoch from the committed position; :meth:`commit`
+    (called by the run at each step's end) advances it, and the iterator that
+    reaches the epoch's end rolls it to the next epoch.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, shuffle: bool = True, num_workers: int = 0,
                  seed: int = 0, **loader_kwargs: Any) -> None:
+        _refuse_unresumable(dataset, loader_kwargs)
         self.batch_size = batch_size
         self.world_size = collectives.world_size()
         self.sampler = ResumableSampler(len(dataset), collectives.rank(), self.world_size, shuffle, seed)  # type: ignore[arg-type]
@@ -66,24 +72,41 @@ class DataLoader:
         self.epoch = 0
         self.consumed = 0  # global samples consumed in this epoch
         self.samples_seen = 0  # global samples consumed since the start
+        self.before_batch: Callable[[], None] | None = None  # the run's step boundary (a pending stop acts here)
+        self._cursors: weakref.WeakSet[_Cursor] = weakref.WeakSet()
 
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.world_size
 
     def __len__(self) -> int:
-        return len(self.sampler.order()) // self.batch_size
+        return self.sampler.length // self.world_size // self.batch_size
+
+    @property
+    def epoch_samples(self) -> int:
+        """Global samples one epoch hands out (whole global batches)."""
+        return len(self) * self.global_batch
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.epoch = self.epoch
         self.sampler.start = self.consumed // self.world_size
         self.generator.manual_seed(self.sampler.seed * 7_919 + self.epoch)  # worker base seeds
-        for batch in self.loader:
-            self.consumed += self.global_batch
-            self.samples_seen += self.global_batch
-            yield batch
-        self.epoch += 1
-        self.consumed = 0
+        cursor = _Cursor(self, iter(self.loader))
+        self._cursors.add(cursor)
+        return cursor
+
+    def commit(self) -> None:
+        """A step consumed what the loop was handed: the position moves to the furthest live iterator of this epoch."""
+        live = [c.position for c in self._cursors if c.epoch == self.epoch]
+        if live and max(live) > self.consumed:
+            self.samples_seen += max(live) - self.consumed
+            self.consumed = max(live)
+
+    def _epoch_done(self, cursor: _Cursor) -> None:
+        """The loop asked past the last batch: everything was consumed, the next iterator starts the next epoch."""
+        if cursor.epoch == self.epoch:
+            self.samples_seen += max(0, cursor.position - self.consumed)
+            self.epoch, self.consumed = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "samples_consumed_in_epoch": self.consumed, "samples_seen": self.samples_seen,
@@ -95,3 +118,42 @@ class DataLoader:
         self.epoch = state["epoch"]
         self.consumed = state["samples_consumed_in_epoch"]
         self.samples_seen = state["samples_seen"]
+
+
+class _Cursor:
+    """One ``iter(loader)``: counts the batches it handed out, from the position committed when it was made."""
+
+    def __init__(self, owner: DataLoader, batches: Iterator[Any]) -> None:
+        self.owner, self.batches = owner, batches
+        self.epoch, self.start, self.handed = owner.epoch, owner.consumed, 0
+
+    @property
+    def position(self) -> int:
+        return self.start + self.handed * self.owner.global_batch
+
+    def __iter__(self) -> _Cursor:
+        return self
+
+    def __next__(self) -> Any:
+        if self.owner.before_batch is not None and self.position < self.owner.epoch_samples:
+            self.owner.before_batch()  # not at the epoch's end: its closing code runs before the boundary
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            self.owner._epoch_done(self)
+            raise
+        self.handed += 1
+        return batch
+
+
+def _refuse_unresumable(dataset: Dataset, loader_kwargs: dict[str, Any]) -> None:
+    """What ckr.DataLoader cannot resume exactly, refused in one line that names the alternative."""
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(f"ckr.DataLoader needs a map-style dataset (__len__/__getitem__), not the IterableDataset "
+                        f"{type(dataset).__name__}: give it state_dict/load_state_dict and run.track(data=it), or use "
+                        "torchdata's StatefulDataLoader and run.track(loader=...)")
+    for key in ("sampler", "batch_sampler"):
+        if loader_kwargs.get(key) is not None:
+            raise TypeError(f"ckr.DataLoader orders and shards samples itself and cannot resume a user {key}=: drop it, "
+                            "or use torchdata's StatefulDataLoader (with a sampler that has state_dict) and "
+                            "run.track(loader=...)")

@@ -7,17 +7,24 @@ Reading: DCP reads ``.metadata`` with plain ``pickle.load`` and loads
 non-tensor items with ``weights_only=False``. Our reader unpickles the metadata
 with a restricted unpickler that admits only DCP's own metadata classes and
 refuses any non-tensor item, so a tampered snapshot cannot run code even when
-its manifest digests were updated to match (invariant 5).
+its manifest digests were updated to match (invariant 5). Before anything is
+allocated, every read the metadata declares is checked against the manifest:
+plain file names of this ``dcp/`` that the manifest lists, byte ranges inside
+those files, declared bytes adding up to the listed ones, and no tensor larger
+than the bytes stored for it — so neither a 2^60-element shape nor a
+``../../etc/passwd`` ever reaches the allocator or DCP's reader.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 import threading
-from pathlib import Path
+from collections import defaultdict
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Generator
 
 import torch
@@ -26,6 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from ckptrun.runtime.hashing import HashingWriter
+from ckptrun.runtime.manifest import ManifestError, read_manifest
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -56,7 +64,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def load_metadata(dcp_dir: Path) -> Metadata:
-    """Read ``.metadata`` safely and check it describes tensors only."""
+    """Read ``.metadata`` safely; check it describes tensors only, stored where the snapshot's manifest says."""
     with open(dcp_dir / ".metadata", "rb") as stream:
         try:
             metadata = RestrictedUnpickler(stream).load()
@@ -69,7 +77,53 @@ def load_metadata(dcp_dir: Path) -> Metadata:
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             raise UnsafeMetadataError(f"DCP item {key!r} is not a tensor; snapshots keep non-tensor state in JSON")
+    check_declared(metadata, _listed_sizes(dcp_dir))
     return metadata
+
+
+def _listed_sizes(dcp_dir: Path) -> dict[str, int]:
+    """Manifest size of every data file directly in ``dcp_dir`` (the metadata itself is not data)."""
+    try:
+        manifest = read_manifest(dcp_dir.parent)
+    except ManifestError as exc:
+        raise UnsafeMetadataError(f"DCP metadata cannot be checked: {exc}") from None
+    prefix = f"{dcp_dir.name}/"
+    return {entry.path[len(prefix):]: entry.size for entry in manifest.files
+            if entry.path.startswith(prefix) and entry.path != f"{prefix}.metadata"}
+
+
+def check_declared(metadata: Metadata, sizes: dict[str, int]) -> None:
+    """Every read DCP would do lies inside a listed file, and every tensor is backed by stored bytes."""
+    stored: dict[str, int] = defaultdict(int)
+    for index, info in metadata.storage_data.items():
+        stored[index.fqn] += _check_storage(index.fqn, info, sizes)
+    declared, listed = sum(stored.values()), sum(sizes.values())
+    if declared != listed:
+        raise UnsafeMetadataError(f"DCP metadata declares {declared} bytes of tensor data, the manifest lists {listed}")
+    for fqn, item in metadata.state_dict_metadata.items():
+        shape = tuple(item.size)
+        needed = math.prod(shape) * item.properties.dtype.itemsize
+        if any(dim < 0 for dim in shape) or needed > stored[fqn]:
+            raise UnsafeMetadataError(f"DCP tensor {fqn!r} declares shape {shape} ({needed} bytes) but "
+                                      f"{stored[fqn]} bytes are stored for it")
+        for chunk in item.chunks:
+            if len(chunk.offsets) != len(shape) or any(o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, shape)):
+                raise UnsafeMetadataError(f"DCP tensor {fqn!r} declares a chunk outside its shape {shape}")
+
+
+def _check_storage(fqn: str, info: Any, sizes: dict[str, int]) -> int:
+    """The bytes one storage entry declares, once its file and byte range check out."""
+    name = info.relative_path
+    if not isinstance(name, str) or name in ("", ".", "..") or "\\" in name or PurePosixPath(name).name != name:
+        raise UnsafeMetadataError(f"DCP item {fqn!r} is stored in {name!r}, not a plain file name of this snapshot's dcp/")
+    if name not in sizes:
+        raise UnsafeMetadataError(f"DCP item {fqn!r} is stored in {name!r}, which is not listed in the manifest")
+    if info.transform_descriptors:
+        raise UnsafeMetadataError(f"DCP item {fqn!r} declares transforms {info.transform_descriptors!r}; snapshots store raw bytes")
+    if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
+        raise UnsafeMetadataError(f"DCP item {fqn!r} declares bytes {info.offset}..{info.offset + info.length} of {name}, "
+                                  f"outside its {sizes[name]} bytes")
+    return info.length
 
 
 class SafeReader(FileSystemReader):

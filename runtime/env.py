@@ -17,6 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 PREFIX = "CKPTRUN_"
 PrecisionMode = Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"]
+# Modes named in the contract that nothing implements yet: refused on every machine, never run as another.
+NOT_IMPLEMENTED = {
+    "fp8": ("fp8 training is not implemented yet (float8 linear layers via torchao, compute capability ≥ 8.9); "
+            "ckptrun will not run bf16 under the fp8 label", "use --precision bf16"),
+}
 HashAlgorithm = Literal["sha256", "blake3"]
 
 
@@ -45,6 +50,7 @@ class RunEnv(BaseModel):
     save_interval_cap_seconds: float | None = Field(None, gt=0, description="Longest auto interval: keeps the cost per failure within --rto-budget.")
     keep_last: int = Field(3, ge=1, description="Verified snapshots of the lineage kept besides milestones.")
     keep_every: int | None = Field(None, ge=1, description="Snapshots at multiples of M steps are milestones, never deleted.")
+    paranoid_retention: bool = Field(False, description="Before retention deletes, re-hash the newest snapshot read past the page cache (default: manifest + sizes).")
     async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
     save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")
     max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that stop the run (exit 1).")

@@ -5,18 +5,31 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
+from ckptrun.runtime import records
 from ckptrun.runtime.faults import Fault
 
 
 class FaultInjector:
     """Fires the test faults of C1 at the points the spec names (see runtime.faults)."""
 
-    def __init__(self, faults: list[Fault], rank: int, attempt: int) -> None:
+    def __init__(self, faults: list[Fault], rank: int, attempt: int, run_dir: Path | None = None) -> None:
         self.faults = [f for f in faults if f.applies(rank, attempt)]
         self.fired: set[int] = set()  # each fault fires once per process
+        self.rank, self.attempt, self.run_dir = rank, attempt, run_dir
+        self.saving: tuple[int, str] | None = None  # (step, phase) of the save in flight, for kill-at's record
+
+    def arm_timers(self) -> None:
+        """Start the kill-at timers; their ``after`` counts from this call (the runtime's init())."""
+        for fault in self.faults:
+            if fault.kind == "kill-at":
+                timer = threading.Timer(fault.after or 0.0, self._fire, (fault,))
+                timer.daemon = True
+                timer.start()
 
     def _once(self, fault: Fault) -> bool:
         if id(fault) in self.fired:
@@ -54,7 +67,11 @@ class FaultInjector:
                 grad.view(-1)[0] = float("inf")
 
     def during_save(self, step: int, phase: str) -> None:
+        """A save reached ``phase`` ("done" when its outcome is known)."""
+        self.saving = None if phase == "done" else (step, phase)
         for fault in self.faults:
+            if fault.kind == "slow-save" and phase != "done":
+                time.sleep((fault.ms or 0) / 1000)
             if fault.kind == "enospc" and phase == "persist" and step >= (fault.step or 0):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
             if fault.kind == "kill-during-save" and fault.phase == phase and fault.step in (None, step):
@@ -62,9 +79,15 @@ class FaultInjector:
 
     def _fire(self, fault: Fault) -> None:
         sys.stdout.flush()
-        sys.stderr.write(f"ckptrun: injected fault {fault.kind} at step {fault.step}\n")
+        when = f"{fault.after:g}s after init" if fault.kind == "kill-at" else f"at step {fault.step}"
+        sys.stderr.write(f"ckptrun: injected fault {fault.kind} {when}\n")
         sys.stderr.flush()
-        if fault.kind in ("kill", "kill-during-save"):
+        if fault.kind == "kill-at" and self.run_dir is not None:
+            saving = self.saving  # read once: the writer thread moves on until the kill lands
+            records.log_event(self.run_dir, "fault_injected", kind=fault.kind, rank=self.rank, attempt=self.attempt,
+                              after=fault.after, save_step=saving[0] if saving else None,
+                              save_phase=saving[1] if saving else None)
+        if fault.kind in ("kill", "kill-during-save", "kill-at"):
             os.kill(os.getpid(), 9)
         elif fault.kind == "exit":
             os._exit(fault.code)

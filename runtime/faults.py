@@ -7,6 +7,10 @@ Grammar, several specs joined by ``;``::
     hang:rank=R:step=S                stop making progress (alive, silent) after step S
     exit:rank=R:step=S:code=C         exit with code C after step S
     kill-during-save:rank=R[:phase=P][:step=S]   SIGKILL while saving; P in PHASES
+    kill-at:rank=R:after=T            SIGKILL T seconds (a float) after this rank's init(), whatever it is
+                                      doing: a background save in flight is not waited for
+    slow-save[:rank=R]:ms=M           test only: sleep M ms at every save hook (stage, each DCP file written,
+                                      before-manifest, before-publish), so that timed kills land inside saves
     nan:step=S                        test only: the step after S reports a NaN loss (anomaly policy)
     inf-grad:rank=R:step=S            test only: inf in this rank's gradient in the step after S (fp16)
     enospc[:rank=R][:step=S]          test only: this rank's snapshot writes fail with ENOSPC from step S on
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "kill-during-save", "nan", "inf-grad", "enospc", "skip-rng-restore")
+KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish")
 
 
@@ -36,6 +40,8 @@ class Fault:
     code: int = 1
     phase: str = "persist"
     attempt: int | None = 1  # None: every attempt
+    after: float | None = None  # kill-at: seconds after init()
+    ms: int | None = None  # slow-save: sleep per save hook
 
     def applies(self, rank: int, attempt: int) -> bool:
         return (self.rank is None or self.rank == rank) and (self.attempt is None or self.attempt == attempt)
@@ -63,7 +69,14 @@ def _parse_one(text: str) -> Fault:
             fields["phase"] = value
         elif key == "attempt" and value == "any":
             fields["attempt"] = None
-        elif key in ("rank", "step", "micro", "code", "attempt"):
+        elif key == "after":
+            try:
+                fields["after"] = float(value)
+            except ValueError:
+                raise FaultSpecError(f"fault {text!r}: after must be seconds, got {value!r}") from None
+            if not 0 <= fields["after"] < float("inf"):  # type: ignore[operator]
+                raise FaultSpecError(f"fault {text!r}: after must be a finite number of seconds >= 0")
+        elif key in ("rank", "step", "micro", "code", "attempt", "ms"):
             try:
                 fields[key] = int(value)
             except ValueError:
@@ -72,4 +85,8 @@ def _parse_one(text: str) -> Fault:
             raise FaultSpecError(f"fault {text!r}: unknown key {key!r}")
     if kind in ("kill", "hang", "exit", "nan", "inf-grad") and "step" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs step=S")
+    if kind == "kill-at" and "after" not in fields:
+        raise FaultSpecError(f"fault {text!r}: needs after=SECONDS")
+    if kind == "slow-save" and "ms" not in fields:
+        raise FaultSpecError(f"fault {text!r}: needs ms=M")
     return Fault(**fields)  # type: ignore[arg-type]

@@ -29,11 +29,18 @@ def new_hasher(algorithm: str) -> Any:
     raise ValueError(f"unknown hash algorithm {algorithm!r}; use sha256 or blake3")
 
 
-def hash_file(path: Path, algorithm: str, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """Size and hex digest of ``path``, read in large chunks (releases the GIL)."""
+def hash_file(path: Path, algorithm: str, progress: Callable[[int], None] | None = None,
+              uncached: bool = False) -> tuple[int, str]:
+    """Size and hex digest of ``path``, read in large chunks (releases the GIL).
+
+    ``uncached`` first drops the file's pages from the page cache, so the digest is
+    of what the disk returns, not of the copy the writer left in memory.
+    """
     hasher = new_hasher(algorithm)
     size = 0
     with open(path, "rb", buffering=0) as stream:
+        if uncached and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         buffer = bytearray(CHUNK)
         view = memoryview(buffer)
         while True:
@@ -75,6 +82,8 @@ class HashingWriter(io.RawIOBase):
         return self.raw.tell()
 
     def fileno(self) -> int:
+        """Flushed first: DCP calls ``os.fsync(stream.fileno())``, which must cover the buffered tail."""
+        self.raw.flush()
         return self.raw.fileno()
 
     def flush(self) -> None:

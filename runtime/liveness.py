@@ -16,28 +16,42 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, ClassVar, Literal
 
 from ckptrun.runtime.records import Heartbeat, Phase, write_heartbeat
 
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 SUPERVISOR_GONE_EXIT = 75
+Source = Literal["runtime", "step-hook"]
+_watching = False
 
 
 class Heartbeater:
-    """Writes this rank's heartbeat at most every ``interval`` seconds, and on every phase change."""
+    """Writes this rank's heartbeat at most every ``interval`` seconds, and on every phase change.
 
-    def __init__(self, run_dir: Path, rank: int, attempt: int, interval: float) -> None:
-        self.run_dir, self.rank, self.attempt, self.interval = run_dir, rank, attempt, interval
+    The runtime's heartbeater is authoritative: once one exists, the bootstrap's optimizer-step hook
+    (``source="step-hook"``, :mod:`ckptrun.runtime.step_hook`) stays silent, so step numbers never conflict.
+    """
+
+    runtime_active: ClassVar[bool] = False
+
+    def __init__(self, run_dir: Path, rank: int, attempt: int, interval: float, source: Source = "runtime") -> None:
+        self.run_dir, self.rank, self.attempt, self.interval, self.source = run_dir, rank, attempt, interval, source
         self.phase: Phase | None = None
         self.last = 0.0
         (run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
+        if source == "runtime":
+            Heartbeater.runtime_active = True
 
-    def beat(self, step: int, phase: Phase) -> None:
+    def beat(self, step: int, phase: Phase, force: bool = False) -> bool:
+        """True when a heartbeat was written (not throttled)."""
         now = time.time()
-        if phase == self.phase and now - self.last < self.interval:
-            return
+        if not force and phase == self.phase and now - self.last < self.interval:
+            return False
         self.phase, self.last = phase, now
-        write_heartbeat(self.run_dir, Heartbeat(rank=self.rank, pid=os.getpid(), attempt=self.attempt, step=step, phase=phase, time=now))
+        write_heartbeat(self.run_dir, Heartbeat(rank=self.rank, pid=os.getpid(), attempt=self.attempt, step=step,
+                                                phase=phase, time=now, source=self.source))
+        return True
 
 
 def enable_stack_dumps() -> None:
@@ -55,10 +69,15 @@ def supervisor_alive(pid: int, start_time: float | None) -> bool:
         return False
 
 
-def watch_supervisor(pid: int | None, start_time: float | None, period: float = 1.0) -> None:
-    """Exit this worker within ``period`` seconds of the supervisor's death."""
-    if pid is None:
+def watch_supervisor(pid: int | None, start_time: float | None, period: float = 1.0,
+                     on_gone: Callable[[], None] | None = None) -> None:
+    """Exit this process within ``period`` seconds of the supervisor's death (``on_gone`` first: the torchrun
+    wrapper kills its ranks). One watch per process: the bootstrap starts it for every script, so the
+    runtime's ``init()`` finds it running."""
+    global _watching
+    if pid is None or _watching:
         return
+    _watching = True
 
     def loop() -> None:
         while True:
@@ -66,6 +85,8 @@ def watch_supervisor(pid: int | None, start_time: float | None, period: float = 
             if not supervisor_alive(pid, start_time):
                 sys.stderr.write(f"ckptrun: supervisor {pid} is gone; exiting\n")
                 sys.stderr.flush()
+                if on_gone is not None:
+                    on_gone()
                 os._exit(SUPERVISOR_GONE_EXIT)
 
     threading.Thread(target=loop, name="ckptrun-supervisor-watch", daemon=True).start()

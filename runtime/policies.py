@@ -1,7 +1,8 @@
 """Small pure policies over plain data: when to save, which snapshots to keep, when to give up saving.
 
 Each has one decision method and no I/O, so tests drive them with tables.
-Importable without torch.
+Importable without torch: ``cli/`` imports :func:`daly` from here, so that the
+interval the supervisor advises is the one the runtime uses.
 """
 
 from __future__ import annotations
@@ -29,11 +30,8 @@ class SaveCadence:
 
 
 def daly(delta: float, mtbf: float) -> float:
-    """Daly's interval √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M.
-
-    The same formula as ``ckptrun.cli.rto_model.daly`` (the runtime never imports
-    ``cli/``); a test keeps the two equal.
-    """
+    """Daly's interval √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M (its leading term is
+    Young's √(2δM)). The one home of the formula: ``ckptrun.cli.rto_model`` re-exports it."""
     if delta >= 2 * mtbf:
         return mtbf
     ratio = delta / (2 * mtbf)

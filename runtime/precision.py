@@ -5,18 +5,20 @@ without emulation; CPU: AMX tiles), and ``auto`` uses it everywhere — the
 choice, the message and the report. A mode asked for explicitly that this
 hardware cannot run is refused (exit 2) rather than silently downgraded, as
 torch itself would do for CPU autocast or ``GradScaler("cuda")`` without CUDA.
+A mode the contract names but nothing implements (fp8) is refused everywhere.
 Master weights and optimizer state stay fp32 in every mode.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
+
+from ckptrun.runtime.env import NOT_IMPLEMENTED
 
 MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "fp8")
 
@@ -49,17 +51,6 @@ def _cpu_has_amx() -> bool:
         return False
 
 
-def _fp8_missing(device: str) -> str | None:
-    if device != "cuda":
-        return "fp8 needs a CUDA GPU with compute capability ≥ 8.9 (H100, L4, RTX 40xx); this machine has no CUDA device"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        return f"fp8 needs compute capability ≥ 8.9; this GPU has {major}.{minor}"
-    if importlib.util.find_spec("torchao") is None and importlib.util.find_spec("transformer_engine") is None:
-        return "fp8 needs torchao (pip install torchao) or Transformer Engine"
-    return None
-
-
 @dataclass(frozen=True)
 class Decision:
     """The mode that runs, the one asked for, and why."""
@@ -79,10 +70,8 @@ def resolve(requested: str, device: str | None = None) -> Decision:
     if requested == "auto":
         native, fact = bf16_native(device)
         return Decision("auto", "bf16" if native else "fp32", f"auto: {fact} -> {'bf16' if native else 'fp32'}", device)
-    if requested == "fp8":
-        missing = _fp8_missing(device)
-        if missing:
-            raise PrecisionUnavailable(missing)
+    if requested in NOT_IMPLEMENTED:
+        raise PrecisionUnavailable("; ".join(NOT_IMPLEMENTED[requested]))
     if requested == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise PrecisionUnavailable("bf16 needs CUDA compute capability ≥ 8.0; use fp16 (with loss scaling) or fp32")
     if requested == "tf32" and device != "cuda":
@@ -109,7 +98,7 @@ class Policy:
         self.decision = decision
         self.mode = decision.mode
         self.device = decision.device
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(self.mode)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mode)
         self.scaler_config = scaler or ScalerConfig()
 
     def apply_matmul_flags(self) -> None:

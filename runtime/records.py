@@ -120,6 +120,7 @@ class Heartbeat(BaseModel):
     step: int
     phase: Phase
     time: float
+    source: Literal["runtime", "step-hook"] = "runtime"  # step-hook: a plain script, seen through its optimizer
 
 
 def heartbeat_path(run_dir: Path, rank: int) -> Path:

@@ -128,6 +128,7 @@ class Saver:
             result = replace(persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group),
                              stall_s=stall, waited_s=waited, asynchronous=self.asynchronous,
                              staging_allocated_bytes=allocated, rss_after_stage_bytes=rss)
+            fault("done")
             if result.ok:
                 self.last_bytes = result.bytes
             on_result(result)

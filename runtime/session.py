@@ -17,17 +17,19 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ckptrun.runtime import collectives, records, rng, snapshot, stepper, store
+from ckptrun.runtime import collectives, hparams, records, rng, snapshot, stepper, store
 from ckptrun.runtime.anomaly import AnomalyDetector
+from ckptrun.runtime.data import DataLoader
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.fault_injection import FaultInjector
 from ckptrun.runtime.faults import parse_faults
 from ckptrun.runtime.liveness import Heartbeater
+from ckptrun.runtime.loop import LoopShapes, untracked_loader_in_use
 from ckptrun.runtime.policies import AutoCadence, FailedSaves, Retention, SaveCadence, refused_changes
 from ckptrun.runtime.retention import apply_retention
 from ckptrun.runtime.precision import Policy
@@ -35,6 +37,7 @@ from ckptrun.runtime.saver import Saver
 from ckptrun.runtime.precision_report import REPORT, DtypeRecorder, write_report
 from ckptrun.runtime.treecodec import join, split
 from ckptrun.runtime.verify import newest_verified
+from ckptrun.runtime.wrappers import canonical, unwrap as _unwrap
 
 EXIT_FAILED, EXIT_STOPPED, EXIT_UNRECOVERABLE = 1, 3, 4
 
@@ -52,12 +55,7 @@ def _code_version() -> str:
         return ""
 
 
-def _unwrap(obj: Any) -> Any:
-    """The module inside DDP, so snapshot keys do not depend on the wrapper."""
-    return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
-
-
-class Run:
+class Run(LoopShapes):
     """State, counters and policy of one training process. Create it with :func:`init`."""
 
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
@@ -72,13 +70,20 @@ class Run:
         self.run_dir = env.run_dir
         self.ckpt_dir = env.checkpoint_dir
         self.step = 0
+        self.epoch = 0
         self.total_steps: int | None = None
+        self.changed: dict[str, tuple[Any, Any]] = {}  # config keys that differ from the restored snapshot's: (old, new)
+        self._due: tuple[bool, bool] | None = None  # (stop, save) agreed at the last end_step, not yet done
+        self._defer = False  # the loop has per-step boundaries: close steps there, after the user's code
+        self._lr_used: float | None = None  # the lr the last optimizer step used (its pre-hook saw it)
+        self._loaders_checked = False
         self.objects: dict[str, Any] = {}
         self.auto = AutoCadence(env.mtbf_seconds, env.save_interval_cap_seconds) if env.save_every_auto else None
         self.cadence = SaveCadence(env.save_every_steps, self.auto.interval if self.auto else env.save_every_seconds)
         self.retention = Retention(env.keep_last, env.keep_every)
         self.failed_saves = FailedSaves(env.max_failed_saves)
-        self.faults = FaultInjector(parse_faults(env.fault), self.rank, env.attempt)
+        self.faults = FaultInjector(parse_faults(env.fault), self.rank, env.attempt, self.run_dir)
+        self.faults.arm_timers()
         self.heart = Heartbeater(self.run_dir, self.rank, env.attempt, env.heartbeat_interval)
         self.saver = Saver(self.ckpt_dir, env.hash_algorithm, env.async_save, env.save_overlap)
         self.published: str | None = None
@@ -105,7 +110,22 @@ class Run:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 hint = " (use ckptrun.runtime.DataLoader for a resumable data position)" if isinstance(obj, torch.utils.data.DataLoader) else ""
                 raise TypeError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict{hint}")
+            if isinstance(obj, DataLoader):
+                obj.before_batch = self._boundary
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(self._note_lr)
             self.objects[name] = obj
+
+    def _note_lr(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._lr_used = float(optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Make ``lr`` the base learning rate of every param group and of the scheduler (see :mod:`hparams`).
+
+        Call it after :meth:`restore`, e.g. when ``"lr" in run.changed``: the restored
+        optimizer and scheduler would otherwise bring back the snapshot's rate.
+        """
+        hparams.set_lr(self.objects["optimizer"], self.objects.get("scheduler"), lr)
 
     def restore(self) -> int:
         """Load the snapshot this attempt resumes from, if any; returns the step to continue from.
@@ -147,9 +167,7 @@ class Run:
             return self.step
 
     def _restore_failed(self, path: Path, reason: str) -> None:
-        if self.rank == 0:
-            records.log_event(self.run_dir, "restore_failed", attempt=self.env.attempt, snapshot=str(path), reason=reason)
-            print(f"ckptrun: snapshot {path.name} does not load: {reason}", file=sys.stderr, flush=True)
+        self._note_unloadable(path, reason)
         if self.env.resume_from is not None:
             self._refuse(f"snapshot {path} named for this attempt does not load: {reason}", EXIT_FAILED, fatal=False)
 
@@ -158,12 +176,32 @@ class Run:
             return self.env.resume_from
         if self.env.supervised:
             return None
+        return self._newest_verified(skipped)
+
+    def _newest_verified(self, skipped: set[str]) -> Path | None:
+        """Rank 0 verifies and picks, every rank gets its choice (ranks must agree on what they load)."""
         choice = None
         if self.rank == 0:
             report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), skip=skipped)
             choice = str(report.path) if report else None
         choice = collectives.broadcast_object(choice)
         return Path(choice) if choice else None
+
+    def _note_unloadable(self, path: Path, reason: str) -> None:
+        if self.rank == 0:
+            records.log_event(self.run_dir, "restore_failed", attempt=self.env.attempt, snapshot=str(path), reason=reason)
+            print(f"ckptrun: snapshot {path.name} does not load: {reason}", file=sys.stderr, flush=True)
+
+    def _load_newest(self) -> tuple[Path, snapshot.Loaded] | None:
+        """The newest verified snapshot that loads; those that verify but do not load are reported and skipped."""
+        skipped: set[str] = set()
+        while (path := self._newest_verified(skipped)) is not None:
+            try:
+                return path, snapshot.load(path)
+            except snapshot.LoadError as exc:  # raised on every rank alike
+                self._note_unloadable(path, str(exc))
+                skipped.add(path.name)
+        return None
 
     def _check_compatible(self, manifest: snapshot.Manifest) -> None:
         if manifest.world_size != self.world_size:
@@ -174,6 +212,11 @@ class Run:
             detail = ", ".join(f"{k}: {manifest.config.get(k)!r} -> {self.config.get(k)!r}" for k in changed)
             self._refuse(f"config changed since snapshot step {manifest.step} ({detail}); "
                          f"allow it with --allow-change {','.join(changed)} or start a new run")
+        self.changed = hparams.config_changes(manifest.config, self.config)
+        if self.changed and self.rank == 0:
+            records.log_event(self.run_dir, "config_changed", step=manifest.step, changed=self.changed)
+            detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in self.changed.items())
+            print(f"ckptrun: config changed since snapshot step {manifest.step}: {detail}", file=sys.stderr, flush=True)
         if manifest.code_version and manifest.code_version != self.code_version and self.rank == 0:
             records.log_event(self.run_dir, "code_changed", snapshot_code=manifest.code_version, code=self.code_version)
             print(f"ckptrun: note: the training script changed since snapshot step {manifest.step}", file=sys.stderr)
@@ -183,8 +226,9 @@ class Run:
         for name, obj in self.objects.items():
             if name not in tree["objects"]:
                 self._refuse(f"snapshot has no state for {name!r} (tracked now, not when it was saved)")
-            _unwrap(obj).load_state_dict(join(tree["objects"][name], loaded.shared_tensors))
+            _unwrap(obj).load_state_dict(canonical(obj, join(tree["objects"][name], loaded.shared_tensors)))
         self.step = tree["counters"]["step"]
+        self.epoch = tree["counters"].get("epoch", 0)
         self.rollbacks = tree["counters"].get("rollbacks", 0)
         if not self.faults.has("skip-rng-restore"):
             rng.restore(loaded.rank_tree["rng"], loaded.rank_tensors)
@@ -199,39 +243,24 @@ class Run:
 
     # --- the training loop ----------------------------------------------------
 
-    def batches(self, loader: Any, steps: int, accumulate: int = 1) -> Iterator[Any]:
-        """Yield one batch (or a list of ``accumulate`` micro-batches) per optimizer step until ``steps``."""
-        self.total_steps = steps
-        iterator, empty_epochs = None, 0
-        while self.step < steps:
-            group: list[Any] = []
-            while len(group) < accumulate:
-                if iterator is None:
-                    iterator = iter(loader)
-                try:
-                    group.append(next(iterator))
-                    empty_epochs = 0
-                except StopIteration:
-                    iterator, empty_epochs = None, empty_epochs + 1
-                    if empty_epochs > 1:
-                        raise RuntimeError("the data loader yields no batch: dataset smaller than one global batch") from None
-            self.heart.beat(self.step, "train")
-            yield group[0] if accumulate == 1 else group
-
     def train_step(self, micro_batches: Sequence[Any], forward: Callable[[Any], Any],
-                   loss: Callable[[Any, Any], torch.Tensor] | None = None, max_norm: float | None = None) -> float:
+                   loss: Callable[[Any, Any], torch.Tensor] | None = None, max_norm: float | None = None,
+                   metrics: Callable[[Any, Any], dict[str, Any]] | None = None) -> float:
         """One optimizer step over ``micro_batches`` under the precision policy; returns the mean loss.
 
         ``forward(batch)`` runs under autocast; ``loss(outputs, batch)``, if given, runs
         outside it on fp32 outputs (else ``forward`` returns the loss itself).
+        ``metrics(outputs, batch)`` returns custom metrics (``{"accuracy": ...}``), averaged
+        over the micro-batches and logged with the step.
         Accumulation divides by the micro-batch count and lets DDP synchronise the
         last one only; a skipped fp16 step advances neither scheduler, EMA nor step.
         """
+        self._boundary()
         model, optimizer = self.objects["model"], self.objects["optimizer"]
         recorder = self._precision_recorder()
         with recorder if recorder is not None else contextlib.nullcontext():
-            value = stepper.accumulate(model, micro_batches, forward, loss, self.precision, self.scaler,
-                                       before_micro=self._micro_fault)
+            value, custom = stepper.accumulate(model, micro_batches, forward, loss, self.precision, self.scaler,
+                                               before_micro=self._micro_fault, measure=metrics)
             self.faults.after_backward(self.step, model)
             if recorder is not None:
                 recorder.phase = "optimizer"
@@ -244,7 +273,7 @@ class Run:
             self._advance_schedules(model)
         optimizer.zero_grad(set_to_none=True)
         count = len(micro_batches) * getattr(self.objects.get("loader"), "global_batch", 0)
-        return self.end_step(value, samples=count, **stats.metrics())
+        return self.end_step(value, samples=count, **{**custom, **stats.metrics()})
 
     def _micro_fault(self, index: int) -> None:
         if self.faults.step_fault_due(self.step, index):
@@ -266,10 +295,17 @@ class Run:
             ema.update_parameters(_unwrap(model))
 
     def end_step(self, loss: float | torch.Tensor, skipped: bool = False, samples: int = 0, **metrics: Any) -> float:
-        """Close an optimizer step: share decisions, log, check anomalies, save on cadence, obey stop requests.
+        """Close an optimizer step: share decisions, log, check anomalies, save on cadence, agree on stops.
 
         A skipped step (fp16 overflow) is logged but does not advance the step counter.
+        ``metrics`` (e.g. ``accuracy=``) are logged with the step. The agreed save and stop
+        happen at the next step boundary (see :mod:`loop`), after the code that follows this
+        call, or here when the loop has no boundaries.
         """
+        for obj in self.objects.values():
+            if isinstance(obj, DataLoader):
+                obj.commit()  # this step consumed what the loop was handed
+        missed = self._due is not None  # no boundary since the last step: close that one after this one
         local = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         if self.faults.nan_loss(self.step):
             local = float("nan")
@@ -290,14 +326,23 @@ class Run:
             return mean_loss
         self.step += 1
         self.heart.beat(self.step, "train")
-        if stops > 0:
+        stop, save = self._due or (False, False)
+        self._due = (stop or stops > 0, save or saves > 0 or self.cadence.step_due(self.step))
+        if missed or not self._defer:
+            self._close_step()
+        return mean_loss
+
+    def _close_step(self) -> None:
+        """What the ranks agreed at the last ``end_step``: stop (emergency snapshot, exit 3) or save; then step faults."""
+        stop, save = self._due or (False, False)
+        self._due = None
+        if stop:
             self._stop()
-        if saves > 0 or self.cadence.step_due(self.step):
+        if save:
             self.save()
         if self.faults.step_fault_due(self.step):
             self._settle_saves(wait=True)
             self.faults.after_step(self.step)
-        return mean_loss
 
     def _log_step(self, step: int, loss: float, metrics: dict[str, Any], samples: int) -> None:
         now = time.monotonic()
@@ -309,13 +354,14 @@ class Run:
         if samples and elapsed > 0:
             record["samples_per_s"] = samples / elapsed
         optimizer = self.objects.get("optimizer")
-        if optimizer is not None:
-            record["lr"] = optimizer.param_groups[0]["lr"]
+        if optimizer is not None:  # the rate this step used, not the one the scheduler set for the next
+            record["lr"] = self._lr_used if self._lr_used is not None else float(optimizer.param_groups[0]["lr"])
+        self._lr_used = None
         loader = self.objects.get("loader")
         if loader is not None and hasattr(loader, "global_batch"):
             record["epoch"] = loader.epoch
             record["samples_seen"] = loader.samples_seen
-        record.update({k: v for k, v in metrics.items() if v is not None})
+        record.update({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in metrics.items() if v is not None})
         records.log_metrics(self.run_dir, record)
 
     # --- anomalies ----------------------------------------------------------------
@@ -339,17 +385,13 @@ class Run:
         if self.rollbacks >= self.env.max_rollbacks:
             self._refuse(f"anomaly after {self.rollbacks} rollbacks ({reason}); lower the learning rate or inspect the data")
         self._settle_saves(wait=True)
-        choice = None
-        if self.rank == 0:
-            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
-            choice = str(report.path) if report else None
-        choice = collectives.broadcast_object(choice)
-        if choice is None:
-            self._refuse(f"anomaly ({reason}) and no verified snapshot to roll back to")
+        found = self._load_newest()
+        if found is None:
+            self._refuse(f"anomaly ({reason}) and no verified snapshot that loads to roll back to")
         loader = self.objects.get("loader")
         position = loader.state_dict() if loader is not None else None  # skip the window that caused it
-        from_step, path = self.step, Path(choice)
-        self._apply(snapshot.load(path))
+        from_step, (path, loaded) = self.step, found
+        self._apply(loaded)
         if loader is not None:
             loader.load_state_dict(position)
         if self.rank == 0:
@@ -358,26 +400,18 @@ class Run:
         self.lineage, self.parent, self.saved_step = store.read_lineage(self.ckpt_dir).current, path.name, self.step
         self.rollbacks += 1
         factor = self.env.rollback_lr_factor
-        self._scale_lr(factor)
+        hparams.scale_lr(self.objects.get("optimizer"), self.objects.get("scheduler"), factor)
         self.anomalies.history.clear()
         if self.rank == 0:
             records.log_event(self.run_dir, "rollback", from_step=from_step + 1, to_step=self.step, snapshot=str(path),
                               lr_factor=factor, rollbacks=self.rollbacks, reason=reason)
-
-    def _scale_lr(self, factor: float) -> None:
-        optimizer, scheduler = self.objects.get("optimizer"), self.objects.get("scheduler")
-        for group in optimizer.param_groups if optimizer is not None else []:
-            group["lr"] *= factor
-            if "initial_lr" in group:
-                group["initial_lr"] *= factor
-        if scheduler is not None and hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
 
     # --- saving -----------------------------------------------------------------
 
     def save(self) -> None:
         """Snapshot the whole state at this step boundary; async saves return once the state is staged."""
         self.heart.beat(self.step, "save")
+        self._check_loaders()
         step, started = self.step, time.monotonic()
         if not (self.saver.busy() and self.env.save_overlap == "skip"):
             self._settle_saves(wait=True)  # at most one in flight; its outcome names the next parent
@@ -397,6 +431,13 @@ class Run:
         self._settle_saves(wait=not self.env.async_save)
         self.heart.beat(self.step, "train")
 
+    def _check_loaders(self) -> None:
+        """Once, at the first save: warn when a torch DataLoader is in use but its position is not tracked."""
+        if not self._loaders_checked and self.rank == 0 and untracked_loader_in_use(self.objects.values()):
+            print("ckptrun: warning: data position not saved: a resume restarts this epoch (track the loader: "
+                  "ckr.DataLoader or torchdata's StatefulDataLoader, run.track(loader=...))", file=sys.stderr, flush=True)
+        self._loaders_checked = True
+
     def _on_save_result(self, result: snapshot.SaveResult) -> None:
         """Every rank, on the thread that finished the save: rank 0 records it and applies retention."""
         if self.rank != 0:
@@ -409,7 +450,7 @@ class Run:
                               throughput_mb_s=result.bytes / seconds / 1e6 if seconds else None,
                               staging_allocated_bytes=result.staging_allocated_bytes,
                               rss_after_stage_bytes=result.rss_after_stage_bytes)
-            apply_retention(self.ckpt_dir, self.retention, self.run_dir)
+            apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention)
         else:
             records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)
             print(f"ckptrun: SAVE FAILED at step {result.step}: {result.error}", file=sys.stderr, flush=True)
@@ -447,7 +488,8 @@ class Run:
             trees[name], own = split(state, name)
             tensors.update(own)
         rng_tree, rng_tensors = rng.capture()
-        shared_tree = {"objects": trees, "counters": {"step": self.step, "rollbacks": self.rollbacks}, "config": self.config}
+        counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
+        shared_tree = {"objects": trees, "counters": counters, "config": self.config}
         return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors)
 
     def _info(self) -> snapshot.SnapshotInfo:
@@ -487,6 +529,9 @@ class Run:
 
     def finish(self) -> None:
         """End of training: a final snapshot (unless this step is saved), completion event, leave the group."""
+        if self._due is not None:  # the last step's save and faults; a stop asked then is moot: the run is complete
+            self._due = (False, self._due[1])
+            self._close_step()
         self._final_save()
         self.saver.close()
         if self.rank == 0:

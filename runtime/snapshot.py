@@ -91,10 +91,6 @@ class SaveResult:
     rss_after_stage_bytes: int = 0  # the process's resident memory right after staging
 
 
-class SaveFailed(Exception):
-    """This rank could not write its part; the save is abandoned on every rank."""
-
-
 FaultHook = Callable[[str], None]
 
 

@@ -39,9 +39,12 @@ class StepStats:
 
 def accumulate(model: Any, micro_batches: Sequence[Any], forward: Callable[[Any], Any],
                loss: Callable[[Any, Any], torch.Tensor] | None, policy: Policy,
-               scaler: torch.amp.GradScaler | None, before_micro: Callable[[int], None]) -> float:
-    """Forward under autocast, loss in fp32 outside it, scaled backward; returns the mean loss."""
-    count, total = len(micro_batches), 0.0
+               scaler: torch.amp.GradScaler | None, before_micro: Callable[[int], None],
+               measure: Callable[[Any, Any], dict[str, Any]] | None = None) -> tuple[float, dict[str, float]]:
+    """Forward under autocast, loss in fp32 outside it, scaled backward.
+
+    Returns the mean loss and the mean of ``measure(outputs, batch)`` (custom metrics, no grad)."""
+    count, total, custom = len(micro_batches), 0.0, {}
     for index, batch in enumerate(micro_batches):
         before_micro(index)
         syncing = index == count - 1 or not hasattr(model, "no_sync")
@@ -49,10 +52,14 @@ def accumulate(model: Any, micro_batches: Sequence[Any], forward: Callable[[Any]
             with policy.autocast():
                 output = forward(batch)
             value = (to_float(output) if loss is None else loss(to_float(output), batch)).float()
+            if measure is not None:
+                with torch.no_grad():
+                    for key, metric in measure(to_float(output), batch).items():
+                        custom[key] = custom.get(key, 0.0) + float(metric) / count
             scaled = value / count
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total += float(value.detach())
-    return total / count
+    return total / count, custom
 
 
 def optimizer_step(model: Any, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,

@@ -9,11 +9,15 @@ at any point leaves either the old state or the new snapshot, never half of one.
 Lineage: ``lineage.json`` names the current line. Forking (resume from an older
 snapshot, a rollback) starts a new line; snapshots of the old line past the fork
 point move to ``abandoned/<line>/`` so that they are never picked as newest and
-never deleted. Importable without torch.
+never deleted. A snapshot that must not be resumed from although its bytes may
+verify (it does not load, a newer save replaced it) moves to
+``quarantine/<stamp>/`` next to a ``reason.json``; ``ckptrun verify`` shows why.
+Importable without torch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,6 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +36,7 @@ TEMP_RE = re.compile(r"^\.step-(\d{9,})\.tmp-[0-9a-f]+$")
 LINEAGE_NAME = "lineage.json"
 ABANDONED_DIR = "abandoned"
 QUARANTINE_DIR = "quarantine"
+REASON_NAME = "reason.json"
 
 
 def snapshot_name(step: int) -> str:
@@ -65,7 +71,7 @@ class Entry:
 
     path: Path
     step: int
-    kind: str  # "published" | "temp" | "abandoned"
+    kind: str  # "published" | "temp" | "abandoned" | "quarantined"
 
     @property
     def name(self) -> str:
@@ -88,11 +94,13 @@ def _scan(directory: Path, kind: str) -> list[Entry]:
 
 
 def list_entries(ckpt_dir: Path, include_abandoned: bool = True) -> list[Entry]:
-    """Published, in-progress and abandoned snapshot directories, oldest step first."""
+    """Published and in-progress snapshot directories (with ``include_abandoned``, the abandoned and
+    quarantined ones too), oldest step first."""
     entries = _scan(ckpt_dir, "published")
     if include_abandoned:
-        for line_dir in sorted((ckpt_dir / ABANDONED_DIR).glob("*")):
-            entries.extend(_scan(line_dir, "abandoned"))
+        for kind, folder in (("abandoned", ABANDONED_DIR), ("quarantined", QUARANTINE_DIR)):
+            for holder in sorted((ckpt_dir / folder).glob("*")):
+                entries.extend(_scan(holder, kind))
     return sorted(entries, key=lambda e: (e.step, e.kind, e.name))
 
 
@@ -113,10 +121,6 @@ def current_lineage(ckpt_dir: Path) -> list[tuple[Entry, Manifest]]:
     """Published snapshots of the current lineage, oldest first (all of them when there is no lineage.json)."""
     lineage = read_lineage(ckpt_dir)
     return [(entry, manifest) for entry, manifest in published(ckpt_dir) if lineage is None or lineage.contains(manifest)]
-
-
-def is_snapshot_dir(path: Path) -> bool:
-    return SNAPSHOT_RE.match(path.name) is not None and path.is_dir()
 
 
 # --- lineage -----------------------------------------------------------------
@@ -199,6 +203,27 @@ def fork(ckpt_dir: Path, fork_point: Path) -> Lineage:
     return lineage
 
 
+def abandon_after(ckpt_dir: Path, fork_point: Path | None) -> list[Path]:
+    """Fork the lineage back to ``fork_point`` (None: to nothing) when its line holds newer snapshots.
+
+    Used when the attempt that resumed from ``fork_point`` diverged: what it
+    saved moves to ``abandoned/`` and is never resumed from. Returns the moved paths.
+    """
+    step = read_manifest(fork_point).step if fork_point is not None else -1
+    later = [(entry, manifest) for entry, manifest in current_lineage(ckpt_dir) if manifest.step > step]
+    if not later:
+        return []
+    if fork_point is not None:
+        fork(ckpt_dir, fork_point)
+    else:
+        lineage = read_lineage(ckpt_dir) or Lineage(run_id=later[0][1].run_id, current=later[0][1].lineage, lines=[])
+        line = Line(id=new_line_id())
+        lineage = Lineage(run_id=lineage.run_id, current=line.id, lines=[*lineage.lines, line])
+        write_file_atomic(ckpt_dir / LINEAGE_NAME, lineage.model_dump_json(indent=1))
+        move_out_of_lineage(ckpt_dir, lineage)
+    return [ckpt_dir / ABANDONED_DIR / manifest.lineage / entry.name for entry, manifest in later]
+
+
 def move_out_of_lineage(ckpt_dir: Path, lineage: Lineage) -> list[Path]:
     """Move published snapshots that are not in the current lineage to ``abandoned/<their line>/``."""
     moved = []
@@ -242,18 +267,33 @@ def publish(temp_dir: Path, step: int) -> Path:
     """
     final = temp_dir.parent / snapshot_name(step)
     if final.exists():
-        quarantine(final)
+        quarantine(final, "replaced", "a newer save of the same step replaced it")
     os.rename(temp_dir, final)
     fsync_dir(final.parent)
     return final
 
 
-def quarantine(snapshot: Path) -> Path:
-    target = snapshot.parent / QUARANTINE_DIR / f"{snapshot.name}-{int(time.time())}-{uuid.uuid4().hex[:6]}"
-    target.parent.mkdir(exist_ok=True)
-    os.rename(snapshot, target)
+def quarantine(snapshot: Path, status: str, reason: str) -> Path:
+    """Move a published snapshot to ``quarantine/<stamp>/`` with ``reason.json``: kept, never resumed from.
+
+    The reason is written first, so a crash in between leaves it next to nothing
+    rather than a quarantined snapshot without one.
+    """
+    holder = snapshot.parent / QUARANTINE_DIR / f"{int(time.time())}-{uuid.uuid4().hex[:6]}"
+    holder.mkdir(parents=True)
+    write_file_atomic(holder / REASON_NAME, json.dumps({"status": status, "reason": reason, "time": time.time()}))
+    os.rename(snapshot, holder / snapshot.name)
     fsync_dir(snapshot.parent)
-    return target
+    return holder / snapshot.name
+
+
+def quarantine_reason(snapshot: Path) -> dict[str, Any] | None:
+    """Why a quarantined snapshot was set aside (``status``, ``reason``, ``time``), None if unknown."""
+    try:
+        found = json.loads((snapshot.parent / REASON_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def delete_snapshot(snapshot: Path) -> None:

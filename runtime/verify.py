@@ -63,7 +63,8 @@ def default_threads() -> int:
     return max(2, min(8, os.cpu_count() or 2))
 
 
-def _check_file(root: Path, entry: FileEntry, quick: bool, progress: Callable[[int], None] | None) -> str | None:
+def _check_file(root: Path, entry: FileEntry, quick: bool, progress: Callable[[int], None] | None,
+                uncached: bool = False) -> str | None:
     """A problem with one listed file, or None when it matches."""
     path = root / entry.path
     if not path.resolve().is_relative_to(root.resolve()):
@@ -82,7 +83,7 @@ def _check_file(root: Path, entry: FileEntry, quick: bool, progress: Callable[[i
     if quick:
         return None
     try:
-        _, digest = hash_file(path, entry.algorithm, progress)
+        _, digest = hash_file(path, entry.algorithm, progress, uncached)
     except ValueError as exc:
         return f"{entry.path}: {exc}"
     except OSError as exc:
@@ -103,8 +104,10 @@ def verify_snapshot(
     quick: bool = False,
     progress: Callable[[int], None] | None = None,
     pool: ThreadPoolExecutor | None = None,
+    uncached: bool = False,
 ) -> SnapshotReport:
-    """Check one snapshot: manifest valid, every file present, right size and (unless quick) digest."""
+    """Check one snapshot: manifest valid, every file present, right size and (unless quick) digest,
+    read past the page cache with ``uncached``."""
     step = _step_of(path)
     if not path.exists():
         return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"])
@@ -121,7 +124,7 @@ def verify_snapshot(
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(default_threads())
     try:
-        results = list(pool.map(lambda e: _check_file(path, e, quick, progress), manifest.files))
+        results = list(pool.map(lambda e: _check_file(path, e, quick, progress, uncached), manifest.files))
     finally:
         if own_pool:
             pool.shutdown()

@@ -159,6 +159,8 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 run.track(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema, loader=loader)
 run.restore()  # from the snapshot this attempt resumes from, if any
+if "lr" in run.changed:  # `ckptrun resume --allow-change lr -- --lr X`: the restored state holds the old rate
+    run.set_lr(args.lr)
 
 
 # ----------------------------------------------------------------------------- train

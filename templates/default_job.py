@@ -70,6 +70,8 @@ scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, a
 
 run.track(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema, loader=loader)
 run.restore()  # from the snapshot this attempt resumes from, if any
+if "lr" in run.changed:  # `ckptrun resume --allow-change lr -- --lr X`: the restored state holds the old rate
+    run.set_lr(args.lr)
 
 # ----------------------------------------------------------------------------- train
 for micro_batches in run.batches(loader, steps=args.steps, accumulate=args.accumulate):

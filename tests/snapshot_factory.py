@@ -7,6 +7,7 @@ the manifest and the directory layout, not what the tensors mean.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import ckptrun.runtime.store as store
@@ -59,9 +60,10 @@ def _write(root: Path, rel: str, data: bytes) -> FileEntry:
 # --- damage, as disks and people do it -----------------------------------------
 
 
-def flip_byte(path: Path, offset: int = 10) -> None:
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Invert one byte (the middle one by default): the size stays, the digest does not."""
     data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
+    data[len(data) // 2 if offset is None else offset] ^= 0xFF
     path.write_bytes(bytes(data))
 
 
@@ -76,3 +78,23 @@ def manifest_dict(snapshot: Path) -> dict:
 def write_manifest_dict(snapshot: Path, document: dict) -> None:
     """Overwrite the manifest with a raw document (bypassing validation on purpose)."""
     (snapshot / MANIFEST_NAME).write_text(json.dumps(document))
+
+
+class Exploit:
+    """Unpickling this runs code that creates a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
+
+
+def plant_pickle(snapshot: Path, relative: str, marker: Path) -> None:
+    """Replace a file with a malicious pickle and update the manifest so that the digests match."""
+    target = snapshot / relative
+    target.write_bytes(pickle.dumps(Exploit(marker)))
+    size, digest = hash_file(target, "sha256")
+    document = manifest_dict(snapshot)
+    next(f for f in document["files"] if f["path"] == relative).update(size=size, digest=digest)
+    write_manifest_dict(snapshot, document)

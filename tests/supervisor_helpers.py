@@ -15,8 +15,8 @@ from ckptrun.runtime.records import Heartbeat
 T0 = 1000.0
 
 
-def beat(rank: int, step: int, time: float, phase: str = "train", attempt: int = 1) -> Heartbeat:
-    return Heartbeat(rank=rank, pid=100 + rank, attempt=attempt, step=step, phase=phase, time=time)
+def beat(rank: int, step: int, time: float, phase: str = "train", attempt: int = 1, source: str = "runtime") -> Heartbeat:
+    return Heartbeat(rank=rank, pid=100 + rank, attempt=attempt, step=step, phase=phase, time=time, source=source)
 
 
 def training(time: float, step: int, ranks: int = 2, first_step: float | None = T0 + 3, **kw: Any) -> Observation:
@@ -44,8 +44,12 @@ class ScriptedWorld:
     teardowns: int = 0
     dumped: list[list[int]] = field(default_factory=list)
     stop_requests: int = 0
+    terminated: int = 0  # terminate_ranks() calls (a plain script's stop)
     shown: list[dict[str, Any]] = field(default_factory=list)
     estimates_requested: list[tuple[int, float]] = field(default_factory=list)
+    quarantined: list[tuple[Path, str, str]] = field(default_factory=list)
+    abandoned: list[Path | None] = field(default_factory=list)
+    abandoned_paths: list[Path] = field(default_factory=list)  # what abandon_after reports as moved
 
     def now(self) -> float:
         return self.clock
@@ -86,8 +90,19 @@ class ScriptedWorld:
     def newest_snapshot(self) -> Snapshot | None:
         return self.snapshots.pop(0) if self.snapshots else None
 
+    def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
+        self.quarantined.append((snapshot, status, reason))
+        return snapshot.parent / "quarantine" / "x" / snapshot.name
+
+    def abandon_after(self, snapshot: Path | None) -> list[Path]:
+        self.abandoned.append(snapshot)
+        return self.abandoned_paths
+
     def request_stop(self) -> None:
         self.stop_requests += 1
+
+    def terminate_ranks(self) -> None:
+        self.terminated += 1
 
     def stop_file_present(self) -> bool:
         return False

@@ -19,6 +19,7 @@ import pytest
 from ckptrun.cli.rto_model import cost_per_failure, daly, goodput, young
 from ckptrun.cli.spec import LaunchSpec, RunRecord, write_run_record
 from ckptrun.runtime.records import log_event
+from snapshot_factory import flip_byte
 from workers import run_job
 
 FAST = ("--steps", "12", "--num-workers", "0", "--hidden", "64")
@@ -226,12 +227,6 @@ def test_verify_timing_whole_and_sampled(trained: Path) -> None:
     assert resident is None or resident > 0.5, "just hashed, so it sits in the page cache"
     bandwidth, read, _ = read_bandwidth(snapshot, manifest)
     assert bandwidth > 0 and read == manifest.total_bytes
-
-
-def flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def test_a_corrupt_newest_snapshot_is_timed_and_skipped_as_the_supervisor_would(with_history: Path) -> None:

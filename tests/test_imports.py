@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from snapshot_factory import make_snapshot
 
-CONTRACTS = ["env", "manifest", "hashing", "store", "verify", "records", "faults"]
+CONTRACTS = ["env", "manifest", "hashing", "store", "verify", "records", "faults", "policies"]
 
 
 def torch_loaded_after(statement: str) -> bool:

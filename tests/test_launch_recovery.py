@@ -14,6 +14,8 @@ import pytest
 from launch_helpers import Cleanup, assert_no_processes, ckptrun, events, one
 
 from ckptrun.cli.rto_model import daly
+from ckptrun.runtime.store import current_lineage
+from ckptrun.runtime.verify import newest_verified
 
 pytestmark = pytest.mark.e2e
 QUICK = ["--heartbeat-timeout", "5", "--startup-timeout", "60", "--restart-backoff", "0.1"]
@@ -72,6 +74,11 @@ def test_resume_without_the_rng_diverges_and_require_exact_resume_exits_4(tmp_pa
     assert restart["snapshot_step"] == 10 and restart["resume_verdict"] == "diverged", restart
     assert restart["resume_max_rel_diff"] > 0 and restart["replayed_steps"] >= 1
     assert one(run_dir, "gave_up")["exit_code"] == 4 and len(events(run_dir, "attempt_start")) == 2
+    ckpt = run_dir / "checkpoints"  # nothing after the divergence usable: a save that landed was moved out of the line
+    assert [m.step for _, m in current_lineage(ckpt)] == [5, 10] and newest_verified(ckpt).step == 10
+    moved = [Path(p) for e in events(run_dir, "snapshots_abandoned") for p in e["snapshots"]]
+    assert all(p.exists() and p.parent.parent.name == "abandoned" for p in moved)
+    assert ("nothing after the divergence was saved" in result.stderr) != bool(moved), result.stderr[-1000:]
     assert_no_processes(run_dir, within=5)
 
 

@@ -8,7 +8,6 @@ process at a real save phase.
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 import subprocess
 import sys
@@ -17,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from ckptrun.runtime import store
-from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import read_events, read_fatal
 from ckptrun.runtime.verify import newest_verified, verify_dir
+from snapshot_factory import flip_byte, plant_pickle
 from workers import run_job
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -77,12 +76,6 @@ def test_kill_during_any_save_phase_never_publishes_a_partial_snapshot(tmp_path,
 # --- corruption and safety ----------------------------------------------------------
 
 
-def flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def edit_manifest(snapshot: Path, change) -> None:
     document = json.loads((snapshot / "manifest.json").read_text())
     change(document)
@@ -120,35 +113,12 @@ def test_damaged_snapshot_is_caught_and_restore_falls_back(source_run, tmp_path,
     assert (ckpt / "step-000000010").exists(), "a corrupt snapshot is reported, never deleted"
 
 
-class Exploit:
-    """Unpickling this runs code that creates a marker file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
-
-
-def plant(snapshot: Path, relative: str, marker: Path) -> None:
-    """Replace a file with a malicious pickle and update the manifest so that the digests match."""
-    target = snapshot / relative
-    target.write_bytes(pickle.dumps(Exploit(marker)))
-    size, digest = hash_file(target, "sha256")
-
-    def update(document):
-        entry = next(f for f in document["files"] if f["path"] == relative)
-        entry.update(size=size, digest=digest)
-
-    edit_manifest(snapshot, update)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("relative", ["rank-00000.pt", "dcp/.metadata"])
 def test_malicious_pickle_with_matching_digest_never_runs(source_run, tmp_path, relative):
     run_dir = copy_run(source_run, tmp_path / "run")
     marker = tmp_path / "marker"
-    plant(run_dir / "checkpoints" / "step-000000010", relative, marker)
+    plant_pickle(run_dir / "checkpoints" / "step-000000010", relative, marker)
     assert cli("verify", str(run_dir / "checkpoints")).returncode == 0, "digests match: integrity is not trust"
     result = job(run_dir, attempt=2)
     assert result.returncode == 0, result.stderr

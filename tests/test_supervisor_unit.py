@@ -74,11 +74,51 @@ def test_save_phase_gets_its_own_allowance() -> None:
     assert stale_ranks(training_silent, {0: training_silent.ranks[0].beat}, T0, TIMEOUTS, True) == [0]
 
 
-def test_plain_script_is_never_called_hung_but_told_once() -> None:
+def test_script_without_any_heartbeat_is_never_called_hung_nor_called_plain() -> None:
     silent = [Observation(time=T0 + t, ranks={0: RankView(True), 1: RankView(True)}) for t in (1, 61, 62, 63)]
     silent.append(Observation(time=T0 + 64, ranks={0: RankView(True), 1: RankView(True)}, agent_exit=0))
     world = ScriptedWorld({1: silent})
     assert supervisor(world).supervise().code == 0
+    assert not any("does not use ckptrun.runtime" in line for line in world.said)  # not known: not said
+
+
+def plain(time: float, step: int, beat_time: float, **kw: object) -> Observation:
+    """Two ranks of a plain script, seen through the bootstrap's optimizer-step hook."""
+    ranks = {r: RankView(True, beat(r, step, beat_time, source="step-hook")) for r in range(2)}
+    return Observation(time=time, ranks=ranks, first_step_time=T0 + 3, last_step=step, last_step_time=beat_time, **kw)
+
+
+def test_plain_script_is_told_once_watched_for_hangs_and_resumes_from_its_own_files() -> None:
+    hung = [plain(T0 + 4, 3, T0 + 4), plain(T0 + 8, 5, T0 + 8), plain(T0 + 14, 5, T0 + 8)]
+    world = ScriptedWorld({1: hung, 2: [plain(T0 + 30, 20, T0 + 30, agent_exit=0)]})
+    assert supervisor(world, faults="kill:rank=1:step=5;kill-during-save:rank=0").supervise().code == 0 and world.dumped == [[0, 1]]
+    assert sum("does not use ckptrun.runtime" in line for line in world.said) == 1
+    assert sum("kill-during-save can never fire" in line for line in world.said) == 1
+    [failure] = world.events("failure")
+    assert failure["cause"] == "hang" and failure["plain_script"] is True
+    assert any("attempt 2 (the script resumes from its own files)" in line for line in world.said)
+    assert len(world.events("plain_script")) == 1
+
+
+@pytest.mark.parametrize("agent_exit, code", [(0, 3), (1, 1)])
+def test_stopping_a_plain_script_sends_sigterm_and_exits_3_only_when_it_exits_cleanly(agent_exit: int, code: int) -> None:
+    world = ScriptedWorld({1: [plain(T0 + 4, 3, T0 + 4), plain(T0 + 5, 4, T0 + 5), plain(T0 + 6, 4, T0 + 5, agent_exit=agent_exit)]},
+                          stop_signal_after=(1, 1))
+    outcome = supervisor(world).supervise()
+    assert outcome.code == code and world.terminated == 1
+    assert any("cannot be asked to save" in line for line in world.said)
+    assert ("exited cleanly" in outcome.message) == (code == 3)
+
+
+def test_give_up_shows_the_failing_ranks_last_stderr_lines_and_its_log() -> None:
+    world = ScriptedWorld({1: [Observation(time=T0 + 2, agent_exit=1)]},
+                          failures_by_attempt={1: [RankFailure(rank=0, exit_code=2, exception="exited with code 2", uses_runtime=False,
+                                                               log="runs/x/logs/attempt-1/rank-0/stderr.log",
+                                                               stderr_tail=["usage: t.py [-h]", "t.py: error: unrecognized arguments: --stpes"])]})
+    outcome = supervisor(world).supervise()
+    assert outcome.code == 4 and len(world.launches) == 1
+    assert any("unrecognized arguments: --stpes" in line for line in world.said)
+    assert "runs/x/logs/attempt-1/rank-0/stderr.log" in (outcome.hint or "")
     assert sum("does not use ckptrun.runtime" in line for line in world.said) == 1
 
 
@@ -170,17 +210,17 @@ def test_injected_exit_code_3_without_a_stop_request_is_a_crash() -> None:
 
 @pytest.mark.parametrize("restarts, delay", [(0, 1.0), (1, 2.0), (2, 4.0), (5, 4.0)])
 def test_backoff_doubles_and_is_capped(restarts: int, delay: float) -> None:
-    facts = RestartFacts(False, True, True, False, restarts=restarts, stalled_restarts=0)
+    facts = RestartFacts(False, True, False, restarts=restarts, stalled_restarts=0)
     assert RestartPolicy(max_restarts=10, backoff=1.0, backoff_cap=4.0).verdict(facts) == Restart(delay)
 
 
 @pytest.mark.parametrize("facts, code", [
-    (RestartFacts(True, False, True, False, 0, 0), 4),
-    (RestartFacts(True, False, False, False, 0, 0), None),  # plain script: progress unknown, restart
-    (RestartFacts(False, True, True, True, 0, 0), 4),
-    (RestartFacts(False, True, True, False, 3, 0), 1),
-    (RestartFacts(False, True, True, False, 1, 2), 4),
-    (RestartFacts(False, True, True, False, 0, 0, fatal=[{"exit_code": 7, "reason": "x"}]), 4),
+    (RestartFacts(True, False, False, 0, 0), 4),  # any script, runtime or plain: a restart fails the same way
+    (RestartFacts(False, False, False, 0, 0), None),  # a later attempt (or resume) that failed early: restart
+    (RestartFacts(False, True, True, 0, 0), 4),
+    (RestartFacts(False, True, False, 3, 0), 1),
+    (RestartFacts(False, True, False, 1, 2), 4),
+    (RestartFacts(False, True, False, 0, 0, fatal=[{"exit_code": 7, "reason": "x"}]), 4),
 ])
 def test_policy_table(facts: RestartFacts, code: int | None) -> None:
     verdict = RestartPolicy(max_restarts=3, max_stalled_restarts=2).verdict(facts)

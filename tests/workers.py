@@ -18,6 +18,7 @@ import psutil
 
 import torch.distributed.checkpoint as dcp
 from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, load_metadata
+from ckptrun.cli.attempt import processes_of_run
 from ckptrun.runtime.env import RunEnv
 
 TEMPLATE = "ckptrun.templates.default_job"
@@ -29,18 +30,6 @@ class Result:
     returncode: int
     stdout: str
     stderr: str
-
-
-def processes_of_run(run_id: str) -> list[psutil.Process]:
-    """Live processes whose environment carries this run id."""
-    found = []
-    for process in psutil.process_iter(["pid"]):
-        try:
-            if process.pid != os.getpid() and process.environ().get("CKPTRUN_RUN_ID") == run_id:
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def kill_run(run_id: str) -> None:

@@ -1,0 +1,83 @@
+"""The training loop's two shapes and its step boundaries, mixed into :class:`~ckptrun.runtime.session.Run`.
+
+A script loops either over steps (``for batch in run.batches(loader, steps)``)
+or over epochs (``for epoch in run.epochs(E): for batch in loader:``). Either
+way the runtime must know where one step ends and the next begins: the save
+and the stop that ``end_step`` agreed on happen there — when the loop asks
+``run.batches`` or a tracked ``ckr.DataLoader`` for its next batch, or a
+``train_step`` begins — so the user's code after ``end_step``/``train_step``
+runs first and its effects (a per-epoch scheduler step, an eval) are in the
+snapshot. A ``ckr.DataLoader`` at the end of its epoch is not a boundary: the
+epoch's closing code runs first, and the next epoch starts clean. A loop with
+no such boundary (its own loader and ``end_step``) saves and stops inside
+``end_step``.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Iterable, Iterator
+
+
+class LoopShapes:
+    """The step loop, the epoch loop and the boundary where a pending stop takes effect."""
+
+    step: int
+    epoch: int  # epochs completed by run.epochs (saved with the counters)
+    total_steps: int | None
+    _due: tuple[bool, bool] | None
+    _defer: bool
+    heart: Any
+
+    def _close_step(self) -> None: ...
+
+    def batches(self, loader: Any, steps: int, accumulate: int = 1) -> Iterator[Any]:
+        """Yield one batch (or a list of ``accumulate`` micro-batches) per optimizer step until ``steps``."""
+        self.total_steps = steps
+        iterator, empty_epochs = None, 0
+        while self.step < steps:
+            self._boundary()
+            group: list[Any] = []
+            while len(group) < accumulate:
+                if iterator is None:
+                    iterator = iter(loader)
+                try:
+                    group.append(next(iterator))
+                    empty_epochs = 0
+                except StopIteration:
+                    iterator, empty_epochs = None, empty_epochs + 1
+                    if empty_epochs > 1:
+                        raise RuntimeError("the data loader yields no batch: dataset smaller than one global batch") from None
+            self.heart.beat(self.step, "train")
+            yield group[0] if accumulate == 1 else group
+        self._boundary()
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """Yield epoch numbers from the restored one up to ``count``; a tracked loader resumes mid-epoch by itself."""
+        while self.epoch < count:
+            self._boundary(per_step=False)
+            yield self.epoch
+            self.epoch += 1
+        self._boundary(per_step=False)
+
+    def _boundary(self, per_step: bool = True) -> None:
+        """Between two steps: close the last one. A boundary met before every step lets end_step defer to it."""
+        self._defer = self._defer or per_step
+        if self._due is not None:
+            self._close_step()
+
+
+def untracked_loader_in_use(tracked: Iterable[Any]) -> bool:
+    """Whether a live ``torch.utils.data`` iterator reads a dataset that no tracked object covers.
+
+    Its position is not in any snapshot, so a resume restarts its epoch. Asked
+    once, at the first save: a scan of live objects costs tens of milliseconds.
+    """
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    covered = set()
+    for obj in tracked:
+        inner = getattr(obj, "loader", obj)  # ckr.DataLoader wraps a torch DataLoader
+        covered |= {id(obj), id(getattr(obj, "dataset", None)), id(getattr(inner, "dataset", None))}
+    live = (o for o in gc.get_objects() if issubclass(type(o), _BaseDataLoaderIter))  # type(): no __class__ hooks
+    return any(id(o._dataset) not in covered for o in live)

@@ -1,0 +1,116 @@
+"""Zero-code supervision: torch's global optimizer-step hook makes any script's steps visible.
+
+The worker bootstrap wraps every rank, plain scripts included. It asks to be
+told when ``torch.optim.optimizer`` is first executed (a meta-path finder
+that wraps that one module's loader), then registers
+``register_optimizer_step_post_hook``: nothing is imported eagerly, and a
+script that never imports torch pays nothing. Each optimizer step then
+counts a step, beats this rank's heartbeat (C3, ``source="step-hook"``,
+throttled to the heartbeat interval), logs a step record on rank 0 each time
+it beats (so the supervisor, ``status`` and ``report`` see progress; no loss:
+the script keeps its loss to itself) and fires the step faults of C1
+(``kill``/``hang``/``exit``). Once the runtime has its own heartbeater
+(``init()``) the hook does nothing: the runtime's steps are authoritative.
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import os
+import sys
+import time
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+from ckptrun.runtime import records
+from ckptrun.runtime.env import EnvError, RunEnv
+from ckptrun.runtime.fault_injection import FaultInjector
+from ckptrun.runtime.faults import FaultSpecError, parse_faults
+from ckptrun.runtime.liveness import Heartbeater
+
+OPTIMIZER_MODULE = "torch.optim.optimizer"
+SOURCE = "step-hook"
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``then(module)`` right after module ``name`` first executes; stays out of every other import."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once: the real finders do the work
+        spec = next((s for f in sys.meta_path if (s := _spec(f, fullname, path, target)) is not None), None)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_then(module: ModuleType) -> None:
+            execute(module)
+            self.then(module)
+
+        spec.loader.exec_module = exec_then  # type: ignore[method-assign]
+        return spec
+
+
+def _spec(finder: Any, fullname: str, path: Sequence[str] | None, target: ModuleType | None) -> Any:
+    find = getattr(finder, "find_spec", None)
+    return find(fullname, path, target) if find is not None else None
+
+
+class StepHook:
+    """Counts this rank's optimizer steps and turns them into heartbeats, step records and step faults."""
+
+    def __init__(self, env: RunEnv, rank: int) -> None:
+        self.env, self.rank = env, rank
+        self.heart = Heartbeater(env.run_dir, rank, env.attempt, env.heartbeat_interval, source=SOURCE)
+        self.faults = FaultInjector(parse_faults(env.fault), rank, env.attempt)
+        self.counts: dict[int, int] = {}  # per optimizer: a GAN's two optimizers make one step, not two
+        self.step = self.logged = 0
+        atexit.register(self.finish)
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if Heartbeater.runtime_active:
+            return
+        self.counts[id(optimizer)] = self.counts.get(id(optimizer), 0) + 1
+        self.step = max(self.counts.values())
+        if self.heart.beat(self.step, "train", force=self.faults.step_fault_due(self.step)):
+            self._log_step()  # forced before a fault: the records show the step it hit
+        self.faults.after_step(self.step)
+
+    def _log_step(self) -> None:
+        """Rank 0's step record, each time it beats (and before a fault, so the record shows the step it hit)."""
+        if self.rank == 0 and self.step > self.logged:
+            self.logged = self.step
+            records.log_metrics(self.env.run_dir, {"step": self.step, "attempt": self.env.attempt,
+                                                   "time": time.time(), "source": SOURCE})
+
+    def finish(self) -> None:
+        """At exit: the last step counted, whatever the throttle held back."""
+        if self.step and not Heartbeater.runtime_active:
+            self.heart.beat(self.step, "done")
+            self._log_step()
+
+
+def install() -> None:
+    """Register the hook as soon as the script imports torch (now, if it already has)."""
+    if OPTIMIZER_MODULE in sys.modules:
+        register(sys.modules[OPTIMIZER_MODULE])
+    else:
+        sys.meta_path.insert(0, AfterImport(OPTIMIZER_MODULE, register))
+
+
+def register(module: ModuleType) -> None:
+    """Register the step hook (only under ``ckptrun launch``: a bad C1 is left for ``init()`` to report)."""
+    try:
+        env = RunEnv.from_env()
+        hook = StepHook(env, int(os.environ.get("RANK", "0")))
+    except (EnvError, FaultSpecError, ValueError, OSError) as exc:
+        print(f"ckptrun: optimizer steps are not watched: {exc}", file=sys.stderr, flush=True)
+        return
+    if env.supervised:
+        module.register_optimizer_step_post_hook(hook)

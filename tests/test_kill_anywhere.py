@@ -1,0 +1,92 @@
+"""Kills at any instant of a background save, end to end: real torchrun ranks SIGKILLed by ``kill-at`` timers.
+
+One 2-rank run of the default job is killed a dozen times, each attempt at another instant after init()
+and on alternating ranks; ``slow-save`` stretches every save phase so that the instants land inside
+persists (staging, DCP writes, manifest, rename) rather than between them. While it runs the test keeps
+checking that no published snapshot is incomplete; afterwards that every restore took the newest
+complete snapshot and that parameters, optimizer state and losses equal an uninterrupted run's bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from launch_helpers import Cleanup, assert_losses_equal, assert_no_processes, ckptrun, events, start, tail
+
+from ckptrun.runtime import store
+from ckptrun.runtime.records import final_losses
+from ckptrun.runtime.verify import IN_PROGRESS, OK, VANISHED, verify_dir, verify_snapshot
+from workers import shared_tensors
+
+pytestmark = pytest.mark.e2e
+STEPS = 60
+FLAGS = ["--nproc-per-node", "2", "--save-every-steps", "2", "--heartbeat-timeout", "5", "--startup-timeout", "60",
+         "--restart-backoff", "0.1", "--max-restarts", "16", "--max-stalled-restarts", "16"]
+JOB = ["--", "--steps", str(STEPS), "--num-workers", "0", "--hidden", "128"]
+KILLS = 12
+
+
+def kill_plan() -> str:
+    """Attempt k (1..KILLS) is killed on rank k % 2, at an instant spread over 1.6..4.1 s after init()."""
+    kills = [f"kill-at:rank={k % 2}:after={1.6 + (k * 0.53) % 2.5:.2f}:attempt={k}" for k in range(1, KILLS + 1)]
+    return ";".join([*kills, "slow-save:ms=120:attempt=any"])
+
+
+@pytest.fixture
+def cleanup() -> Iterator[Cleanup]:
+    tracker = Cleanup()
+    yield tracker
+    tracker.close()
+
+
+def incomplete_published(ckpt: Path) -> list[str]:
+    """Published snapshots of any line that are not whole (sizes; a deletion by retention is not a problem)."""
+    bad = []
+    for entry in store.list_entries(ckpt):
+        if entry.kind != "temp":
+            report = verify_snapshot(entry.path, quick=True)
+            if report.status not in (OK, VANISHED):
+                bad.append(f"{entry.name}: {report.status} {report.problems[:2]}")
+    return bad
+
+
+@pytest.mark.timeout(420)
+def test_kills_at_any_instant_of_a_save_never_publish_an_incomplete_snapshot(tmp_path: Path, cleanup: Cleanup) -> None:
+    faulty = cleanup.run_dir(tmp_path / "runs" / "faulty")
+    process = cleanup.track(start("launch", *FLAGS, "--name", "faulty", "--inject-fault", kill_plan(), *JOB,
+                                  cwd=tmp_path, log=tmp_path / "faulty.log"))
+    seen: list[str] = []
+    deadline = time.monotonic() + 400
+    while process.poll() is None and time.monotonic() < deadline:  # never a visible incomplete snapshot
+        seen += incomplete_published(faulty / "checkpoints")
+        time.sleep(0.05)
+    assert process.wait(timeout=10) == 0, tail(tmp_path / "faulty.log")
+    assert not seen, seen
+    ckpt = faulty / "checkpoints"
+    assert all(r.status in (OK, IN_PROGRESS) for r in verify_dir(ckpt)), [(r.path.name, r.problems) for r in verify_dir(ckpt)]
+
+    fired = events(faulty, "fault_injected")
+    in_saves = [f for f in fired if f["save_phase"] is not None]
+    assert len(in_saves) >= 10, f"only {len(in_saves)} of {len(fired)} kills landed inside a save: {fired}"
+    assert {f["rank"] for f in in_saves} == {0, 1}
+
+    # every restore took the newest complete snapshot: at least as new as every save published before it
+    saved = events(faulty, "snapshot_saved")
+    for restored in events(faulty, "restored"):
+        before = [s["step"] for s in saved if s["time"] < restored["time"]]
+        assert restored["step"] >= max(before, default=0), (restored, before)
+
+    reference = cleanup.run_dir(tmp_path / "runs" / "reference")
+    clean = ckptrun("launch", *FLAGS, "--name", "reference", *JOB, cwd=tmp_path, timeout=200)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert_losses_equal(faulty, final_losses(reference))
+    final = store.snapshot_name(STEPS)
+    ours, theirs = shared_tensors(ckpt / final), shared_tensors(reference / "checkpoints" / final)
+    assert sorted(ours) == sorted(theirs)
+    differing = [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    assert not differing, f"state differs from the uninterrupted run: {differing[:5]}"
+    assert_no_processes(faulty, within=5)
