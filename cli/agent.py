@@ -5,8 +5,9 @@ Usage: ``python -m ckptrun.cli.agent FAILURES_JSON [TORCHRUN ARGS...]``. It runs
 ``ChildFailedError``, writes ``ChildFailedError.failures`` (exit code or signal,
 error-file contents, per rank) to FAILURES_JSON through :mod:`ckptrun.cli.failures`.
 The supervisor reads that file instead of scraping torchrun's log. Like every
-rank, it watches the supervisor: when that is gone (a SIGKILL) it kills its
-ranks (they run in sessions of their own) and exits, so nothing of the run is
+rank, it watches the supervisor: when that is gone (a SIGKILL) it gives its
+ranks a few seconds to leave on their own, kills those left (they run in
+sessions of their own) and exits, so nothing of the run is
 left behind. This is a separate process (it imports torch); the CLI never
 imports it.
 """
@@ -18,10 +19,12 @@ from pathlib import Path
 
 import psutil
 
-from ckptrun.cli.attempt import kill_all
+from ckptrun.cli.attempt import kill_all, wait_gone
 from ckptrun.cli.failures import RankFailure, from_error_file, write_failures
 from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.liveness import watch_supervisor
+
+RANKS_EXIT_S = 3.0
 
 
 def _facts(global_rank: int, failure: object) -> RankFailure:
@@ -60,8 +63,12 @@ def _watch_supervisor() -> None:
         env = RunEnv.from_env()
     except EnvError:
         return  # the ranks' init() reports a malformed C1
-    watch_supervisor(env.supervisor_pid, env.supervisor_start_time,
-                     on_gone=lambda: kill_all(psutil.Process().children(recursive=True), wait=2.0))
+    watch_supervisor(env.supervisor_pid, env.supervisor_start_time, on_gone=_end_ranks)
+
+
+def _end_ranks() -> None:
+    """The ranks' own watches exit them within a second or two; SIGKILL any still there (stuck in C code)."""
+    kill_all(wait_gone(psutil.Process().children(recursive=True), RANKS_EXIT_S))
 
 
 if __name__ == "__main__":

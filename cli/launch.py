@@ -3,8 +3,8 @@
 Options keep torchrun's names. ``launch`` reads ``--config FILE`` (TOML, keys
 as the long option names) and lets the flags a person typed override it; the
 spec is validated in :mod:`ckptrun.cli.spec`. Everything after the options —
-``SCRIPT [ARGS...]``, or just ``ARGS`` for the embedded default job, with an
-optional ``--`` — is the training command. Importable without torch.
+``SCRIPT [ARGS...]``, passed on untouched, or ``-- ARGS`` for the embedded
+default job — is the training command. Importable without torch.
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ def launch(
     """Launch SCRIPT [ARGS...] with torchrun under supervision: restart from the newest verified snapshot on a crash or hang.
 
     \b
-    Without SCRIPT the embedded default job runs and ARGS go to it; `--` may separate ARGS.
+    Options end at SCRIPT: what follows goes to it untouched.
+    Without SCRIPT the embedded default job runs with the ARGS after `--`.
+    An unknown option before SCRIPT is refused (exit 2).
     Examples:
       ckptrun launch --nproc-per-node 2 train.py --lr 3e-4
       ckptrun launch --nproc-per-node 2 --save-every-steps 5 -- --steps 40

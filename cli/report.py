@@ -26,7 +26,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 from ckptrun.cli.durations import format_duration
@@ -230,11 +230,11 @@ def draw_loss(ax: Any, facts: RunFacts) -> None:
         ax.legend(loc="upper right", fontsize=8)
 
 
-def _mark_sessions(ax: Any, facts: RunFacts, where: Any) -> None:
-    """Each stop (at its step / time) and each resume (at the step it resumed from / its time)."""
-    marks = [(e, "run_stopped", "step", "■ stopped", "#8c564b") for e in facts.named("run_stopped")]
-    marks += [(e, "resume", "snapshot_step", "▶ resumed", "#1f77b4") for e in facts.named("resume")]
-    for event, _, key, label, color in marks:
+def _mark_sessions(ax: Any, facts: RunFacts, where: Callable[[dict[str, Any], str], Any]) -> None:
+    """Each stop (at its step, or time) and each resume (at the step it resumed from, or its time)."""
+    marks = [(e, "step", "■ stopped", "#8c564b") for e in facts.named("run_stopped")]
+    marks += [(e, "snapshot_step", "▶ resumed", "#1f77b4") for e in facts.named("resume")]
+    for event, key, label, color in marks:
         x = where(event, key)
         if isinstance(x, (int, float)):
             ax.axvline(x, color=color, ls="-.", lw=1.2)
@@ -267,7 +267,7 @@ def draw_throughput(ax: Any, facts: RunFacts) -> None:
     start = facts.start_time
     for attempt in sorted(facts.series):
         rows = [facts.series[attempt][s] for s in sorted(facts.series[attempt])]
-        pairs = [(r["time"] - start, speed) for r, speed in zip(rows, speeds(rows)) if speed is not None]
+        pairs = [(r["time"] - start, speed) for r, speed in zip(rows, rates(rows)) if speed is not None]
         if not pairs:
             continue
         times, speeds = zip(*pairs)
@@ -287,7 +287,7 @@ def rolling_median(values: tuple[float, ...], window: int) -> list[float]:
     return [statistics.median(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
 
 
-def speeds(rows: list[dict[str, Any]]) -> list[float | None]:
+def rates(rows: list[dict[str, Any]]) -> list[float | None]:
     """Each record's throughput; without samples/s or a step time (a plain script's step records), the step
     rate since the attempt's previous record."""
     out: list[float | None] = []

@@ -16,13 +16,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, ClassVar, Literal
+from typing import Callable, ClassVar
 
-from ckptrun.runtime.records import Heartbeat, Phase, write_heartbeat
+from ckptrun.runtime.records import Heartbeat, Phase, Source, write_heartbeat
 
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 SUPERVISOR_GONE_EXIT = 75
-Source = Literal["runtime", "step-hook"]
 _watching = False
 
 

@@ -25,6 +25,7 @@ LOGS = "logs"
 FATAL = "fatal.json"
 
 Phase = Literal["init", "restore", "train", "save", "done", "stopping"]
+Source = Literal["runtime", "step-hook"]  # who beat: the runtime, or the bootstrap's optimizer-step hook (a plain script)
 
 
 def _default(value: Any) -> Any:
@@ -120,7 +121,7 @@ class Heartbeat(BaseModel):
     step: int
     phase: Phase
     time: float
-    source: Literal["runtime", "step-hook"] = "runtime"  # step-hook: a plain script, seen through its optimizer
+    source: Source = "runtime"
 
 
 def heartbeat_path(run_dir: Path, rank: int) -> Path:

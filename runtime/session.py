@@ -112,7 +112,7 @@ class Run(LoopShapes):
                 raise TypeError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict{hint}")
             if isinstance(obj, DataLoader):
                 obj.before_batch = self._boundary
-            if isinstance(obj, torch.optim.Optimizer):
+            if name == "optimizer" and isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(self._note_lr)
             self.objects[name] = obj
 
@@ -338,7 +338,7 @@ class Run(LoopShapes):
         self._due = None
         if stop:
             self._stop()
-        if save:
+        if save and self.saved_step != self.step:  # the script may have called run.save() itself meanwhile
             self.save()
         if self.faults.step_fault_due(self.step):
             self._settle_saves(wait=True)
@@ -496,7 +496,7 @@ class Run(LoopShapes):
         loader = self.objects.get("loader")
         return snapshot.SnapshotInfo(
             run_id=self.env.run_id, lineage=self.lineage, parent=self.parent, step=self.step,
-            epoch=getattr(loader, "epoch", 0), samples_seen=getattr(loader, "samples_seen", 0),
+            epoch=getattr(loader, "epoch", self.epoch), samples_seen=getattr(loader, "samples_seen", 0),
             precision=self.precision.mode, config=self.config, code_version=self.code_version,
         )
 

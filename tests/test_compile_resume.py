@@ -42,3 +42,15 @@ def test_switching_torch_compile_between_attempts_resumes(tmp_path, first, secon
     assert set(resumed) == set(saved), "model and optimizer state are keyed the same with and without compile"
     steps = [k for k in saved if k.startswith("optimizer.") and k.endswith(".step")]
     assert steps and all(torch.equal(resumed[k], saved[k] + 2) for k in steps)
+
+
+def test_snapshots_name_the_model_inside_torch_compile_and_old_prefixed_keys_still_load():
+    from ckptrun.runtime.wrappers import canonical, unwrap
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    compiled = torch.compile(model, backend="eager")
+    assert unwrap(compiled) is model and unwrap(model) is model
+    old = compiled.state_dict()  # what a snapshot of an older ckptrun holds: _orig_mod.0.weight, ...
+    assert all(key.startswith("_orig_mod.") for key in old)
+    unwrap(compiled).load_state_dict(canonical(compiled, old))
+    assert canonical(object(), {"_orig_mod.x": 1}) == {"_orig_mod.x": 1}, "only modules' keys are rewritten"

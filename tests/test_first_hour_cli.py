@@ -6,18 +6,20 @@ from __future__ import annotations
 import io
 import json
 import re
+import threading
 import tomllib
 from pathlib import Path
 
 import pytest
 import typer.main
-from launch_helpers import Cleanup, ckptrun, events, last_step
+from launch_helpers import Cleanup, ckptrun, events, last_step, wait_for
 from snapshot_factory import make_snapshot
 from typer._click.exceptions import NoSuchOption
 
 from ckptrun.cli.launch import split_target
 from ckptrun.cli.main import app
 from ckptrun.cli.progress import Progress, Status
+from ckptrun.cli.rank_output import RankOutput, selector
 from ckptrun.cli.rundir import RunPaths
 from ckptrun.cli.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.world import LocalWorld
@@ -99,6 +101,23 @@ def test_ranks_output_reaches_the_launcher_prefixed_and_console_log_keeps_all(tm
     assert resumed.returncode == 0 and "already completed" in resumed.stderr, resumed.stderr
     assert len(read_events(run_dir, "attempt_start")) == 1 and not read_events(run_dir, "resume")
     assert not (run_dir / "logs" / "attempt-2").exists()
+
+
+def test_a_stalled_terminal_never_holds_up_the_writers_or_the_launcher(tmp_path: Path) -> None:
+    """The ranks write to console.log; only the follower thread waits for the terminal, and stop() gives up on it."""
+    console, release, shown = tmp_path / "console.log", threading.Event(), []
+    console.write_bytes(b"")
+    follower = RankOutput(console, selector("1"), lambda line: (release.wait(30), shown.append(line)))
+    with open(console, "ab") as log:
+        log.write(b"W torchrun's own line\n[rank0]:not shown\n[rank1]:first\n")
+        log.flush()
+        wait_for(lambda: follower.offset > 0, timeout=20, what="the follower to read")
+        log.write(b"[rank1]:second\n" * 10_000)  # the terminal is stalled: the writer goes on regardless
+    follower.stop(timeout=0.2)
+    assert follower.thread.is_alive() and shown == []
+    release.set()
+    follower.thread.join(20)
+    assert not follower.thread.is_alive() and shown == ["[rank1]:first"] + ["[rank1]:second"] * 10_000
 
 
 class _Terminal(io.StringIO):
