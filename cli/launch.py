@@ -138,7 +138,7 @@ def resume(
 ) -> int:
     """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec.
 
-    Arguments after ``--`` replace the script's stored ones (a changed config key must be allowed).
+    Arguments after -- replace the script's stored ones (a config key that changes must be allowed).
     """
     if latest and source:
         raise CkptrunError("--latest and --from contradict each other", "pass one of them")

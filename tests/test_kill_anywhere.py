@@ -23,13 +23,13 @@ from ckptrun.runtime.verify import IN_PROGRESS, OK, VANISHED, verify_dir, verify
 from workers import shared_tensors
 
 pytestmark = pytest.mark.e2e
-STEPS = 30
+STEPS = 34
 # a save every step: with slow-save the next save is due long before the last one is done, so from the
 # first save on a rank is nearly always inside one; no back-off, or a dozen doublings would dominate
 FLAGS = ["--nproc-per-node", "2", "--save-every-steps", "1", "--heartbeat-timeout", "5", "--startup-timeout", "60",
          "--restart-backoff", "0", "--max-restarts", "16", "--max-stalled-restarts", "16"]
 JOB = ["--", "--steps", str(STEPS), "--num-workers", "0", "--hidden", "128"]
-KILLS = 12
+KILLS = 13  # 10 must land inside a save; a kill can fall between saves or after the run is done
 
 
 def kill_plan() -> str:

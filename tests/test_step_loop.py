@@ -2,14 +2,20 @@
 
 One process under plain python (the ranks are not the point): ``metrics.jsonl``'s ``lr`` is the rate
 the step used (not the one the scheduler set for the next step), ``train_step(metrics=...)`` logs a
-custom metric, and an agreed stop lets the code after ``train_step`` run on the stop step first.
+custom metric, an agreed stop lets the code after ``train_step`` run on the stop step first, and the
+README shows ``train_step`` with the parameters the code has.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+from pathlib import Path
+
 import pytest
 
 from ckptrun.runtime.records import read_events, read_metrics
+from ckptrun.runtime.session import Run
 from launch_helpers import FIXTURES
 from workers import run_job
 
@@ -33,3 +39,11 @@ def test_a_stop_happens_after_the_code_that_follows_train_step(tmp_path):
     assert "after step 3" in result.stdout and "after step 4" not in result.stdout
     assert [e["step"] for e in read_events(run_dir, "stopped")] == [3]
     assert (run_dir / "checkpoints" / "step-000000003").is_dir()
+
+
+def test_the_readme_shows_the_step_calls_as_the_code_defines_them():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name in ("train_step", "batches"):
+        documented = re.search(rf"`run\.{name}\(([^)]*)\)`", readme).group(1)
+        names = [part.strip().split("=")[0] for part in documented.split(",")]
+        assert names == [p for p in inspect.signature(getattr(Run, name)).parameters if p != "self"], name
