@@ -67,11 +67,7 @@ def estimate_rto(
     if budget_includes_lost_work and budget_s is None:
         raise CkptrunError("--budget-includes-lost-work needs --budget", "add --budget DURATION (e.g. --budget 5m)")
     target = find_target(path)
-    world = nproc_per_node or target.manifest.world_size
-    if probe and target.spec is not None and world != target.manifest.world_size:
-        raise CkptrunError(f"--nproc-per-node {world}: snapshot step {target.manifest.step} was written by "
-                           f"{target.manifest.world_size} ranks and the run's script cannot restore it on {world}",
-                           f"drop --nproc-per-node or pass {target.manifest.world_size} (resharding is not supported yet)")
+    world = nproc_per_node or target.manifest.world_size  # another than the snapshot's: the probe reshards
     document = build_report(target, probe, world, mtbf_s)
     verdict = _budget(document, budget_s, budget_includes_lost_work)
     if as_json:

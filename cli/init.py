@@ -34,6 +34,8 @@ TEMPLATES = {
                         (("default_job.py", "train.py"),)),
     "char-gpt": Template("a character-level GPT on a bundled text: DDP, accumulation, clipping, EMA, LR schedule",
                          (("char_gpt.py", "train.py"), ("data/tiny.txt", "data/tiny.txt"))),
+    "fsdp": Template("a small GPT sharded with FSDP2 (fully_shard) on data it generates: CPU ranks or GPUs, unchanged",
+                     (("fsdp.py", "train.py"),)),
 }
 
 
@@ -50,6 +52,7 @@ def init(
     Examples:
       ckptrun init my-run
       ckptrun init my-gpt --template char-gpt
+      ckptrun init my-fsdp --template fsdp
       ckptrun init --list
     """
     if list_templates:

@@ -73,6 +73,7 @@ def launch(
     deterministic: Optional[bool] = typer.Option(None, "--deterministic/--no-deterministic", help="Deterministic algorithms (exact resume). [default: on]", rich_help_panel=POLICY, show_default=False),
     threads: Optional[int] = _opt("--threads", "torch threads per rank.", POLICY),
     allow_change: Optional[str] = _opt("--allow-change", "Comma-separated config keys that may change on resume.", POLICY),
+    allow_reshard: Optional[bool] = _opt("--allow-reshard", "Restarts may resume snapshots written at another world size (RNG reseeded: not bitwise exact).", POLICY),
     hash_algorithm: Optional[str] = _opt("--hash-algorithm", "Digest of snapshot files: sha256 or blake3 (pip install blake3). [default: sha256]", POLICY),
     max_failed_saves: Optional[int] = _opt("--max-failed-saves", "Consecutive failed saves that end the run (exit 1). [default: 3]", POLICY),
     on_anomaly: Optional[str] = _opt("--on-anomaly", "A non-finite or spiking loss: warn, stop (exit 4) or rollback. [default: warn]", POLICY),
@@ -109,7 +110,7 @@ def launch(
                  master_port=master_port, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, name=name,
                  run_dir=run_dir, ckpt_dir=ckpt_dir, precision=precision, save_every_steps=save_every_steps,
                  save_every_seconds=save_every_seconds, save_every=save_every, mtbf=mtbf, async_save=async_save, save_overlap=save_overlap, keep_last=keep_last, keep_every=keep_every, paranoid_retention=paranoid_retention, seed=seed,
-                 deterministic=deterministic, threads=threads, allow_changes=allow_change, inject_fault=inject_fault,
+                 deterministic=deterministic, threads=threads, allow_changes=allow_change, allow_reshard=allow_reshard, inject_fault=inject_fault,
                  hash_algorithm=hash_algorithm, max_failed_saves=max_failed_saves, on_anomaly=on_anomaly,
                  anomaly_sigma=anomaly_sigma, max_rollbacks=max_rollbacks,
                  max_restarts=max_restarts, max_stalled_restarts=max_stalled_restarts, heartbeat_timeout=heartbeat_timeout, startup_timeout=startup_timeout,
@@ -134,6 +135,8 @@ def resume(
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="Override the run's restart budget.", show_default=False),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help="Wall-clock budget of this resume.", show_default=False),
     allow_change: Optional[str] = typer.Option(None, "--allow-change", help="Config keys that may differ from the snapshot's.", show_default=False),
+    nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", help="Ranks on this node, as launch takes it; another world size than the snapshot's needs --allow-reshard.", show_default=False),
+    allow_reshard: bool = typer.Option(False, "--allow-reshard", help="Resume a snapshot written at another world size: tensors and the data position reshard, per-rank RNG is reseeded (judged within tolerance, never exact)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> int:
     """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec.
@@ -143,7 +146,9 @@ def resume(
     if latest and source:
         raise CkptrunError("--latest and --from contradict each other", "pass one of them")
     overrides: dict[str, Any] = {"max_restarts": max_restarts, "allow_changes": allow_change,
-                                 "script_args": list(ctx.args) or None}
+                                 "script_args": list(ctx.args) or None, "allow_reshard": allow_reshard or None}
+    if nproc_per_node is not None:
+        overrides["nproc_per_node"] = build_spec({"nproc_per_node": nproc_per_node}).nproc_per_node
     if time_limit is not None:
         overrides["time_limit"] = build_spec({"time_limit": time_limit}).time_limit
     if allow_change is not None:

@@ -105,6 +105,11 @@ class Recovery:
                                   self.options.deterministic)
         self.estimated_s = self.estimate.get("rto_s") if self.estimate else None
 
+    def resharded(self) -> None:
+        """The watched attempt restored at another world size: its check allows the mode's tolerance."""
+        if self.resume is not None:
+            self.resume.resharded = True
+
     def diverged(self) -> bool:
         return self.resume is not None and self.resume.diverged_early
 

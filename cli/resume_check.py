@@ -5,7 +5,8 @@ crash and again after the restore, and ``metrics.jsonl`` holds both losses
 (each record names its ``attempt``). In deterministic mode they must be equal
 bit for bit — anything else means some state (an RNG, the data position, the
 optimizer) was not restored: verdict ``exact`` or ``diverged``. A run
-declared non-deterministic gets ``within tolerance`` (relative difference at
+declared non-deterministic, or a resume at another world size (its per-rank
+RNG was reseeded, its reductions run in another order), gets ``within tolerance`` (relative difference at
 most 1e-3 in fp32, 2e-2 where the arithmetic is reduced precision: tf32,
 bf16, fp16) or ``diverged``, with the largest relative difference.
 Throughput compares steps 5–25 after the restart (the first steps warm up)
@@ -120,9 +121,14 @@ class ResumeWatch:
     precision: str | None = None
     diverged_early: bool = False  # some replayed step already differs beyond what the mode allows
     missing: set[int] = field(default_factory=set)  # original steps not replayed yet
+    resharded: bool = False  # restored at another world size: never judged bitwise
 
     def __post_init__(self) -> None:
         self.missing = set(self.original)
+
+    @property
+    def bitwise(self) -> bool:
+        return self.deterministic and not self.resharded
 
     def add(self, record: dict[str, Any]) -> None:
         step, loss = record.get("step"), record.get("loss")
@@ -133,11 +139,11 @@ class ResumeWatch:
             return
         self.missing.discard(int(step))
         self.replayed[int(step)] = float(loss)
-        one = resume_verdict({int(step): self.original[int(step)]}, {int(step): float(loss)}, self.deterministic, self.precision)
+        one = resume_verdict({int(step): self.original[int(step)]}, {int(step): float(loss)}, self.bitwise, self.precision)
         self.diverged_early = self.diverged_early or one.verdict == DIVERGED
 
     def verdict(self) -> Verdict:
-        return resume_verdict(self.original, self.replayed, self.deterministic, self.precision)
+        return resume_verdict(self.original, self.replayed, self.bitwise, self.precision)
 
     def decided(self) -> bool:
         """Every replayed step seen (or one already diverged)."""
@@ -149,7 +155,7 @@ class ResumeWatch:
             return DIVERGED
         if self.missing:
             return "checking"
-        return EXACT if self.deterministic else WITHIN
+        return EXACT if self.bitwise else WITHIN
 
     def settled(self) -> bool:
         """Verdict decided and the throughput window seen: the restart event can be written."""

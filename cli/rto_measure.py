@@ -283,7 +283,7 @@ def probe_run(spec: "LaunchSpec", run_id: str, snapshot: Path, world: int, attem
         env = RunEnv(run_id=probe_id, run_dir=work / "run", ckpt_dir=work / "checkpoints", attempt=attempt_no,
                      supervised=True, resume_from=snapshot, precision=spec.precision, seed=spec.seed,
                      deterministic=spec.deterministic, threads=spec.threads, hash_algorithm=spec.hash_algorithm,
-                     allow_changes=tuple(spec.allow_changes), exit_after_restore=True)
+                     allow_changes=tuple(spec.allow_changes), allow_reshard=True, exit_after_restore=True)  # any world size
         command = torchrun_command(work / "failures.json", torchrun_args(_spec_for(spec, world), work / "logs"), target)
         attempt = AttemptProcess(command, _child_env(env), work / "console.log")
         try:

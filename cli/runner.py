@@ -19,12 +19,12 @@ from types import FrameType
 from typing import Any
 
 from ckptrun.cli.durations import format_duration
-from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, CkptrunError
+from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, EXIT_UNRECOVERABLE, CkptrunError
 from ckptrun.cli.policy import RestartPolicy, Timeouts
 from ckptrun.cli.progress import Progress
 from ckptrun.cli.recovery import RecoveryOptions
 from ckptrun.cli.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, holder, unique_run_dir
-from ckptrun.cli.spec import RUN_JSON, LaunchSpec, RunRecord, read_run_record, write_run_record
+from ckptrun.cli.spec import RUN_JSON, LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.supervisor import Outcome, Snapshot, StopControl, Supervisor
 from ckptrun.cli.world import LocalWorld
 from ckptrun.runtime import records
@@ -115,13 +115,13 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
                               "nothing to resume, nothing started",
                               f"`ckptrun resume --from STEP --run-dir {run_dir}` trains again from an older snapshot")
             return _report(outcome, record, paths, Progress(), as_json)
-        for key, value in overrides.items():
-            if value is not None:
-                setattr(record.spec, key, value)
-        write_run_record(run_dir, record)
+        given = {key: value for key, value in overrides.items() if value is not None}
+        record.spec = build_spec({**record.spec.model_dump(), **given})  # a bad combination: one line, exit 2
         ckpt_dir = ckpt_dir_of(record.spec, run_dir)
         plain = bool(records.read_events(run_dir, "plain_script"))  # it resumes from its own files
         snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir)
+        _refuse_unasked_reshard(record.spec, snapshot)
+        write_run_record(run_dir, record)
         first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(run_dir, "attempt_start")), default=0)
         records.log_event(run_dir, "resume", attempt=first, snapshot=str(snapshot.path) if snapshot else None,
                           snapshot_step=snapshot.step if snapshot else None,
@@ -134,6 +134,19 @@ def _completed(run_dir: Path) -> dict[str, Any] | None:
     """The ``run_completed`` event when the run's last attempt completed it (a later resume reopens it)."""
     ends = [e for e in records.read_events(run_dir) if e.get("event") in ("run_completed", "attempt_start")]
     return ends[-1] if ends and ends[-1]["event"] == "run_completed" else None
+
+
+def _refuse_unasked_reshard(spec: LaunchSpec, snapshot: Snapshot | None) -> None:
+    """A resume at another world size than the snapshot's must be asked for: refused before any rank starts."""
+    if snapshot is None or spec.allow_reshard or spec.world_size is None:
+        return
+    saved = read_manifest(snapshot.path).world_size
+    if saved != spec.world_size:
+        raise CkptrunError(f"snapshot step {snapshot.step} was written by {saved} ranks but this resume runs "
+                           f"{spec.world_size}",
+                           f"pass --allow-reshard to resume on {spec.world_size} ranks (tensors and the data position "
+                           f"reshard, per-rank RNG is reseeded: not bitwise exact), or --nproc-per-node {saved}",
+                           EXIT_UNRECOVERABLE)
 
 
 def _newest(ckpt_dir: Path) -> Snapshot:

@@ -77,6 +77,7 @@ class LaunchSpec(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads per worker.")
     hash_algorithm: Literal["sha256", "blake3"] = Field("sha256", description="Digest of every snapshot file.")
     allow_changes: list[str] = Field(default_factory=list, description="Config keys allowed to differ on resume.")
+    allow_reshard: bool = Field(False, description="Resume a snapshot written at another world size (tensors and data position reshard, RNG is reseeded: not bitwise exact).")
     on_anomaly: Literal["warn", "stop", "rollback"] = Field("warn", description="A non-finite or spiking loss: warn, stop (exit 4) or roll back.")
     anomaly_sigma: float = Field(6.0, gt=0, description="A spike is a loss above mean + sigma * std of the recent window.")
     anomaly_window: int = Field(50, ge=2, description="Steps of loss history an anomaly is judged against.")
@@ -173,7 +174,7 @@ class LaunchSpec(BaseModel):
         if self.save_every == "auto" and (self.save_every_seconds is not None or self.save_every_steps is not None):
             raise ValueError("--save-every auto chooses the interval itself; drop --save-every-seconds and "
                              "--save-every-steps (or --save-every auto)")
-        world = int(self.nproc_per_node) if self.nproc_per_node.isdigit() else None  # one node: the world size
+        world = self.world_size
         beyond = [f.rank for f in parse_faults(self.inject_fault) if world and f.rank is not None and f.rank >= world]
         if beyond:
             raise ValueError(f"--inject-fault names rank {beyond[0]}, but the world has ranks 0..{world - 1}: "
@@ -181,6 +182,11 @@ class LaunchSpec(BaseModel):
         return self
 
     # --- derived ---
+
+    @property
+    def world_size(self) -> int | None:
+        """Ranks in the job when the flags say (one node: ``--nproc-per-node N``); None for auto/cpu/gpu."""
+        return int(self.nproc_per_node) if self.nproc_per_node.isdigit() else None
 
     @property
     def heartbeat_interval(self) -> float:

@@ -151,6 +151,7 @@ class AttemptWatch:
     detected_at: float | None = None
     teardown_s: float = 0.0
     forced: bool = False
+    reshard_checked: bool = False  # looked for the attempt's `resharded` event (once, at its first steps)
 
 
 class Supervisor:
@@ -249,6 +250,10 @@ class Supervisor:
     def _check_recovery(self, watch: AttemptWatch, obs: Observation) -> bool:
         """The RTO budget and the resume check; True when a diverged resume ends the attempt now."""
         recovery = self.recovery
+        if obs.steps and not watch.reshard_checked:  # the worker logs `resharded` at restore, before any step
+            watch.reshard_checked = True
+            if self.world.attempt_events("resharded"):
+                recovery.resharded()
         recovery.note(obs.steps, obs.snapshot_step)
         if recovery.wants_estimate(watch.attempt, obs.snapshot_step, self.pending_restart is not None):
             self.world.request_estimate(self.policy.delay(self.restarts + 1))

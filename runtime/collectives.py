@@ -1,11 +1,43 @@
-"""Thin wrappers over torch.distributed that degrade to no-ops in a single process."""
+"""Thin wrappers over torch.distributed that degrade to no-ops in a single process.
+
+On CUDA the worker joins one process group with two backends: the decisions
+the ranks share (this module's collectives, the fp16 found-inf flag, snapshot
+coordination) are CPU tensors and ride gloo; model tensors (DDP, FSDP2) stay
+on the device and ride NCCL. An NCCL-only group rejects CPU tensors.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+CPU = torch.device("cpu")
+
+
+def backend_for(device_type: str) -> str:
+    """The process group's backend string for a worker whose model lives on ``device_type``."""
+    return CUDA_BACKEND if device_type == "cuda" else "gloo"
+
+
+def worker_device(cuda: bool | None = None) -> torch.device:
+    """This worker's device: LOCAL_RANK's GPU when CUDA is available (``cuda``: decided by the caller), else the CPU."""
+    if torch.cuda.is_available() if cuda is None else cuda:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return CPU
+
+
+def start(device: torch.device, set_device: Callable[[torch.device], None] = torch.cuda.set_device) -> None:
+    """Join the default group for a model on ``device`` (GPU: bound first, so NCCL and FSDP2 use it)."""
+    if device.type == "cpu":
+        dist.init_process_group(backend_for("cpu"))
+        return
+    set_device(device)
+    dist.init_process_group(backend_for(device.type), device_id=device)
 
 
 def active() -> bool:
@@ -30,11 +62,12 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=src, group=group, device=CPU)
     return box[0]
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's object (on CPU: torch picks gloo when the group has a CPU backend)."""
     if not active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -52,6 +85,6 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum a few float64 values over ranks in one collective (the per-step shared decisions)."""
     if not active():
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=CPU)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.tolist()

@@ -1,16 +1,20 @@
 """A DataLoader that knows how far it got, so a resumed run sees exactly the batches it had not consumed.
 
-Position is stored globally — samples consumed in the current epoch across all
-ranks — because rank ``r`` takes ``perm[r::world]``: after every rank consumed
-``k`` samples the consumed set is exactly ``perm[:k*world]``, so a later
-version can re-partition it for another world size. Position counts what a
-training step *consumed*, not what a worker prefetched nor what an iterator
-handed out: each ``iter(loader)`` counts its own batches and the run commits
-the furthest one at the end of a step, so a probe ``next(iter(loader))`` (or an
-iterator never used) moves nothing, and new iterators start at the committed
-position. Shuffling and worker seeds come from generators seeded by
-(seed, epoch), never from the global RNG, so creating an iterator draws nothing
-from the RNG that dropout uses.
+The position is one global cursor — ``{epoch, samples_consumed, seed,
+global_batch}`` — and the sampler does not depend on the world size
+(Megatron-style): the epoch's permutation comes from ``(seed, epoch)`` over the
+whole dataset, the samples from the cursor on are cut into micro-batches of
+``batch_size × world`` and each micro-batch is sliced by rank. So a resume at
+another world size starts exactly at the first unconsumed sample — none
+skipped, none repeated — and a step of the same global batch consumes the same
+samples at any world size. Position counts what a training step *consumed*,
+not what a worker prefetched nor what an iterator handed out: each
+``iter(loader)`` counts its own batches and the run commits the furthest one at
+the end of a step, so a probe ``next(iter(loader))`` (or an iterator never
+used) moves nothing, and new iterators start at the committed position.
+Shuffling and worker seeds come from generators seeded by (seed, epoch), never
+from the global RNG, so creating an iterator draws nothing from the RNG that
+dropout uses.
 """
 
 from __future__ import annotations
@@ -25,29 +29,32 @@ from ckptrun.runtime import collectives
 
 
 class ResumableSampler(Sampler[int]):
-    """Epoch-seeded permutation, split across ranks, that can start mid-epoch."""
+    """This rank's slice of every micro-batch from ``start`` to ``end`` (global positions) of the epoch's permutation."""
 
-    def __init__(self, length: int, rank: int, world_size: int, shuffle: bool, seed: int) -> None:
-        self.length, self.rank, self.world_size = length, rank, world_size
+    def __init__(self, length: int, rank: int, world_size: int, shuffle: bool, seed: int, batch_size: int = 1) -> None:
+        self.length, self.rank, self.world_size, self.batch_size = length, rank, world_size, batch_size
         self.shuffle, self.seed = shuffle, seed
         self.epoch = 0
-        self.start = 0  # per-rank samples to skip in this epoch
+        self.start, self.end = 0, length - length % (batch_size * world_size)  # global samples
+
+    def permutation(self) -> list[int]:
+        """The whole dataset's order for this epoch, the same at every world size."""
+        if not self.shuffle:
+            return list(range(self.length))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.length, generator=generator).tolist()
 
     def order(self) -> list[int]:
-        """This rank's indices for the epoch, all of them."""
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            perm = torch.randperm(self.length, generator=generator).tolist()
-        else:
-            perm = list(range(self.length))
-        usable = self.length - self.length % self.world_size
-        return perm[self.rank:usable:self.world_size]
+        """This rank's indices from ``start`` to ``end``: its ``batch_size`` slice of each micro-batch."""
+        perm, micro, own = self.permutation(), self.batch_size * self.world_size, self.rank * self.batch_size
+        return [i for first in range(self.start, self.end - micro + 1, micro)
+                for i in perm[first + own:first + own + self.batch_size]]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start:])
+        return iter(self.order())
 
     def __len__(self) -> int:
-        return max(0, self.length // self.world_size - self.start)
+        return max(0, (self.end - self.start) // (self.batch_size * self.world_size) * self.batch_size)
 
 
 class DataLoader:
@@ -63,7 +70,7 @@ class DataLoader:
         _refuse_unresumable(dataset, loader_kwargs)
         self.batch_size = batch_size
         self.world_size = collectives.world_size()
-        self.sampler = ResumableSampler(len(dataset), collectives.rank(), self.world_size, shuffle, seed)  # type: ignore[arg-type]
+        self.sampler = ResumableSampler(len(dataset), collectives.rank(), self.world_size, shuffle, seed, batch_size)  # type: ignore[arg-type]
         self.generator = torch.Generator()
         self.loader = torch.utils.data.DataLoader(
             dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
@@ -72,24 +79,28 @@ class DataLoader:
         self.epoch = 0
         self.consumed = 0  # global samples consumed in this epoch
         self.samples_seen = 0  # global samples consumed since the start
+        self.global_batch = self.micro_samples  # samples one optimizer step consumes (run.batches sets it)
+        self.saved_global_batch: int | None = None  # the restored cursor's, to report a change
         self.before_batch: Callable[[], None] | None = None  # the run's step boundary (a pending stop acts here)
         self._cursors: weakref.WeakSet[_Cursor] = weakref.WeakSet()
 
     @property
-    def global_batch(self) -> int:
+    def micro_samples(self) -> int:
+        """Global samples one ``next()`` hands out: ``batch_size`` on every rank."""
         return self.batch_size * self.world_size
 
     def __len__(self) -> int:
-        return self.sampler.length // self.world_size // self.batch_size
+        return self.epoch_samples // self.micro_samples
 
     @property
     def epoch_samples(self) -> int:
-        """Global samples one epoch hands out (whole global batches)."""
-        return len(self) * self.global_batch
+        """Global samples one epoch hands out: whole global batches, the same at every world size."""
+        return self.sampler.length // self.global_batch * self.global_batch
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.epoch = self.epoch
-        self.sampler.start = self.consumed // self.world_size
+        self.sampler.start = self.consumed
+        self.sampler.end = self.consumed + max(0, self.epoch_samples - self.consumed) // self.micro_samples * self.micro_samples
         self.generator.manual_seed(self.sampler.seed * 7_919 + self.epoch)  # worker base seeds
         cursor = _Cursor(self, iter(self.loader))
         self._cursors.add(cursor)
@@ -109,15 +120,14 @@ class DataLoader:
             self.epoch, self.consumed = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "samples_consumed_in_epoch": self.consumed, "samples_seen": self.samples_seen,
-                "batch_size": self.batch_size, "world_size": self.world_size}
+        """The global cursor: no per-rank part, so it loads at any world size."""
+        return {"epoch": self.epoch, "samples_consumed": self.consumed, "seed": self.sampler.seed,
+                "global_batch": self.global_batch, "samples_seen": self.samples_seen}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["samples_consumed_in_epoch"] % self.world_size:
-            raise ValueError(f"position {state['samples_consumed_in_epoch']} does not split over {self.world_size} ranks")
-        self.epoch = state["epoch"]
-        self.consumed = state["samples_consumed_in_epoch"]
-        self.samples_seen = state["samples_seen"]
+        self.epoch, self.consumed, self.samples_seen = state["epoch"], state["samples_consumed"], state["samples_seen"]
+        self.sampler.seed = state["seed"]  # the position is a place in that seed's permutations
+        self.saved_global_batch = state["global_batch"]
 
 
 class _Cursor:
@@ -129,7 +139,7 @@ class _Cursor:
 
     @property
     def position(self) -> int:
-        return self.start + self.handed * self.owner.global_batch
+        return self.start + self.handed * self.owner.micro_samples
 
     def __iter__(self) -> _Cursor:
         return self

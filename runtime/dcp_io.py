@@ -28,10 +28,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Generator
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from ckptrun.runtime import collectives
 from ckptrun.runtime.hashing import HashingWriter
 from ckptrun.runtime.manifest import ManifestError, read_manifest
 
@@ -175,13 +177,37 @@ def hashing_writer(dcp_dir: Path, algorithm: str, on_write: Callable[[str], None
     return writer
 
 
-def allocate_from_metadata(metadata: Metadata, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Empty CPU tensors shaped like the stored ones, for DCP to load into."""
+def allocate_from_metadata(metadata: Metadata, keys: list[str],
+                           live: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Where DCP loads each stored tensor: the ``live`` one (this rank's shard of the model or
+    optimizer, on its device) when its global shape and dtype match, else a new CPU tensor."""
     missing = [key for key in keys if key not in metadata.state_dict_metadata]
     if missing:
         raise KeyError(f"snapshot has no tensor {missing[0]!r}")
     out = {}
     for key in keys:
         item = metadata.state_dict_metadata[key]
-        out[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        target = (live or {}).get(key)
+        if target is None or tuple(target.shape) != tuple(item.size) or target.dtype != item.properties.dtype:
+            target = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        out[key] = target
     return out
+
+
+def owned_keys(tensors: dict[str, torch.Tensor], group: Any = None) -> set[str]:
+    """The keys this rank writes under DCP's own save plan: every shard it holds and, of the tensors
+    replicated on several ranks, those DCP's de-duplication assigns to it. Collective on ``group``.
+
+    Each rank then stages and saves only these; the union over ranks is the whole state, once.
+    """
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(tensors, is_coordinator=collectives.rank() == 0)
+    plans = collectives.all_gather_object(planner.create_local_plan(), group=group)
+    mine = dedup_save_plans(plans)[collectives.rank()]
+    return {item.index.fqn for item in mine.items}
+
+
+def tensor_table(metadata: Metadata) -> dict[str, tuple[list[int], str]]:
+    """Global shape and dtype name of every stored tensor (the manifest's ``tensors``)."""
+    return {key: (list(item.size), str(item.properties.dtype).removeprefix("torch."))
+            for key, item in metadata.state_dict_metadata.items() if isinstance(item, TensorStorageMetadata)}

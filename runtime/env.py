@@ -60,6 +60,7 @@ class RunEnv(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch.set_num_threads in each worker (default: torch's).")
     hash_algorithm: HashAlgorithm = Field("sha256", description="Digest recorded for every snapshot file.")
     allow_changes: tuple[str, ...] = Field((), description="Config keys that may differ from the snapshot's on resume.")
+    allow_reshard: bool = Field(False, description="A snapshot written at another world size may be resumed: tensors and the data position reshard, per-rank RNG is reseeded (not bitwise exact).")
     on_anomaly: Literal["warn", "stop", "rollback"] = Field("warn", description="What a loss anomaly triggers.")
     anomaly_window: int = Field(50, ge=2, description="Steps of loss history an anomaly is judged against.")
     anomaly_sigma: float = Field(6.0, gt=0, description="A spike is a loss above mean + sigma * std of the window.")

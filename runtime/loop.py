@@ -18,6 +18,8 @@ from __future__ import annotations
 import gc
 from typing import Any, Iterable, Iterator
 
+from ckptrun.runtime.reshard import note_global_batch
+
 
 class LoopShapes:
     """The step loop, the epoch loop and the boundary where a pending stop takes effect."""
@@ -28,12 +30,20 @@ class LoopShapes:
     _due: tuple[bool, bool] | None
     _defer: bool
     heart: Any
+    world_size: int
+    objects: dict[str, Any]
 
     def _close_step(self) -> None: ...
+    def _refuse(self, message: str, code: int = ..., fatal: bool = ...) -> None: ...
 
-    def batches(self, loader: Any, steps: int, accumulate: int = 1) -> Iterator[Any]:
-        """Yield one batch (or a list of ``accumulate`` micro-batches) per optimizer step until ``steps``."""
+    def batches(self, loader: Any, steps: int, accumulate: int = 1, global_batch: int | None = None) -> Iterator[Any]:
+        """Yield one batch (or a list of ``accumulate`` micro-batches) per optimizer step until ``steps``.
+
+        ``global_batch=G`` keeps the samples per step at G whatever the world size: the accumulation is
+        G ÷ (batch size × world size), so a resharded run takes the same optimizer steps.
+        """
         self.total_steps = steps
+        accumulate = self._accumulation(loader, accumulate, global_batch)
         iterator, empty_epochs = None, 0
         while self.step < steps:
             self._boundary()
@@ -52,8 +62,24 @@ class LoopShapes:
             yield group[0] if accumulate == 1 else group
         self._boundary()
 
+    def _accumulation(self, loader: Any, accumulate: int, global_batch: int | None) -> int:
+        """Micro-batches per step: ``accumulate``, or what ``global_batch`` needs at this world size."""
+        micro = getattr(loader, "micro_samples", None) or getattr(loader, "batch_size", 1) * self.world_size
+        if global_batch is not None:
+            if global_batch % micro or global_batch < micro:
+                self._refuse(f"global_batch={global_batch} does not split into micro-batches of {micro} samples "
+                             f"({micro // self.world_size} per rank × {self.world_size} ranks); pick a multiple of {micro}")
+            accumulate = global_batch // micro
+        if hasattr(loader, "saved_global_batch"):
+            loader.global_batch = accumulate * micro
+            note_global_batch(self, loader)
+        return accumulate
+
     def epochs(self, count: int) -> Iterator[int]:
         """Yield epoch numbers from the restored one up to ``count``; a tracked loader resumes mid-epoch by itself."""
+        loader = self.objects.get("loader")
+        if hasattr(loader, "saved_global_batch"):
+            note_global_batch(self, loader)
         while self.epoch < count:
             self._boundary(per_step=False)
             yield self.epoch

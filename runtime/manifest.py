@@ -8,13 +8,15 @@ directory means every file it lists was fsynced first. Importable without torch.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: writer rank per file, global shape and dtype per tensor (the sharded manifest)
+READABLE_SCHEMAS = (1, 2)  # version 1 manifests lack both; they still verify and load
 MANIFEST_NAME = "manifest.json"
 
 
@@ -31,6 +33,7 @@ class FileEntry(BaseModel):
     size: int = Field(ge=0)
     algorithm: str = Field(description="Hash algorithm of `digest` (sha256, blake3).")
     digest: str = Field(description="Lower-case hex digest of the file's bytes.")
+    rank: int | None = Field(None, ge=0, description="The rank that wrote the file (None in schema 1 manifests).")
 
     @field_validator("path")
     @classmethod
@@ -41,6 +44,22 @@ class FileEntry(BaseModel):
             raise ValueError(f"path {value!r} leaves the snapshot directory")
         if pure.name == MANIFEST_NAME and len(pure.parts) == 1:
             raise ValueError("the manifest cannot list itself")
+        return value
+
+
+class TensorEntry(BaseModel):
+    """One stored tensor as the whole job sees it, whichever ranks hold its shards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shape: list[int] = Field(description="Global shape, the same at every world size.")
+    dtype: str = Field(description="torch dtype name without the `torch.` prefix.")
+
+    @field_validator("shape")
+    @classmethod
+    def _non_negative(cls, value: list[int]) -> list[int]:
+        if any(dim < 0 for dim in value):
+            raise ValueError(f"shape {value} has a negative dimension")
         return value
 
 
@@ -57,27 +76,54 @@ class Manifest(BaseModel):
     epoch: int = Field(0, ge=0)
     samples_seen: int = Field(0, ge=0, description="Global samples consumed since the start of training.")
     world_size: int = Field(ge=1)
+    world_size_history: list[dict[str, int]] = Field(
+        default_factory=list, description="The lineage's world sizes, [{step, world_size}]: each from that step on "
+                                          "(a resume at another size adds one); empty in older snapshots.")
     precision: str = "fp32"
     config: dict[str, Any] = Field(default_factory=dict, description="The training script's config at save time.")
     torch_version: str = ""
     code_version: str = Field("", description="Digest of the training script (reported, not enforced, on resume).")
     created: float = Field(default_factory=time.time)
     files: list[FileEntry]
+    tensors: dict[str, TensorEntry] = Field(default_factory=dict, description="Every DCP tensor item by key: global shape and dtype.")
     extra: dict[str, Any] = Field(default_factory=dict, description="Small facts for humans (save timings).")
 
     @field_validator("schema_version")
     @classmethod
     def _known_schema(cls, value: int) -> int:
-        if value != SCHEMA_VERSION:
-            raise ValueError(f"schema version {value} is not {SCHEMA_VERSION}; use the ckptrun that wrote it")
+        if value not in READABLE_SCHEMAS:
+            raise ValueError(f"schema version {value} is not one of {READABLE_SCHEMAS}; use the ckptrun that wrote it")
         return value
 
     @property
     def total_bytes(self) -> int:
         return sum(entry.size for entry in self.files)
 
+    def sharding_problems(self) -> list[str]:
+        """What a sharded (schema 2) manifest gets wrong about who wrote what: each DCP data file
+        ``__R_N.distcp`` and per-rank file names its writer rank R, below the world size."""
+        if self.schema_version < 2:
+            return []
+        problems = []
+        for entry in self.files:
+            named = _named_rank(entry.path)
+            if entry.rank is None:
+                problems.append(f"{entry.path}: no writer rank")
+            elif entry.rank >= self.world_size or (named is not None and named != entry.rank):
+                problems.append(f"{entry.path}: writer rank {entry.rank} does not match its name or world size {self.world_size}")
+        if any(entry.path.startswith("dcp/") for entry in self.files) and not self.tensors:
+            problems.append("dcp/ holds tensors but the manifest lists no tensor shapes")
+        return problems
+
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True)
+
+
+def _named_rank(path: str) -> int | None:
+    """The rank a file's name says wrote it: DCP's ``__R_N.distcp`` and our ``rank-R.*``; None for shared files."""
+    name = PurePosixPath(path).name
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp|rank-(\d+)\.\w+", name)
+    return int(match.group(1) or match.group(2)) if match else None
 
 
 def read_manifest(snapshot_dir: Path) -> Manifest:

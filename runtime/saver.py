@@ -1,10 +1,13 @@
 """Snapshots that barely stall the step: stage in the foreground, persist and publish in the background.
 
-The training step waits only for **stage**: the state copied into host buffers
-allocated once and reused (pinned, and copied on a side stream, when the state
-lives on a GPU). **Persist** and **publish** run on one background thread at
-lower CPU and I/O priority, with their collectives on a process group of their
-own, so they never interleave with the step's collectives. At most one save is
+The training step waits only for **stage**: this rank's share of the state
+(what DCP's save plan has it write, see :func:`dcp_io.owned_keys`) copied into
+host buffers allocated once and reused (:mod:`staging`), so a node holds about
+one copy of the state whatever the number of ranks. **Persist** and
+**publish** run on one background thread at lower CPU and I/O priority, with
+their collectives on a process group of their own (gloo), so they never
+interleave with the step's collectives; publish waits until every rank's
+write has finished, agreed over that group. At most one save is
 in flight: a save due while one runs waits for it (or, with ``overlap="skip"``,
 is skipped), with an event either way. ``sync`` runs the same code inline.
 """
@@ -18,61 +21,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import psutil
 import torch
 
 from ckptrun.runtime import collectives, store
+from ckptrun.runtime.dcp_io import owned_keys
 from ckptrun.runtime.snapshot import FaultHook, SaveResult, SnapshotInfo, State, persist_and_publish
+from ckptrun.runtime.staging import Stager, local_bytes
 
 DISK_MARGIN = 1.10
 DISK_SLACK = 4 << 20
-
-
-class Stager:
-    """Host buffers allocated once and reused by every save (first touch of new memory is slow)."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._event: Any = None
-
-    def bytes_needed(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Bytes of buffers this stage would have to allocate (0 once they exist)."""
-        return sum(t.numel() * t.element_size() for k, t in tensors.items() if not self._fits(k, t))
-
-    def _fits(self, key: str, tensor: torch.Tensor) -> bool:
-        buffer = self._buffers.get(key)
-        return buffer is not None and buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
-
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy into the buffers; device tensors go device-to-host on a side stream (see :meth:`fence`)."""
-        stream = torch.cuda.Stream() if any(t.is_cuda for t in tensors.values()) else None
-        staged = {}
-        with torch.cuda.stream(stream) if stream is not None else _null():
-            for key, tensor in tensors.items():
-                if not self._fits(key, tensor):
-                    self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
-                self._buffers[key].copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-                staged[key] = self._buffers[key]
-        if stream is not None:
-            self._event = torch.cuda.Event()
-            self._event.record(stream)
-        return staged
-
-    def fence(self) -> None:
-        """Before the next optimizer step touches the weights, and before persisting: the copy is done."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _lower_priority() -> None:
@@ -96,6 +56,11 @@ class Saver:
         self.pending: Future | None = None
         self.finished: list[SaveResult] = []
         self.last_bytes = 0
+        self.last_published: tuple[int, str] | None = None  # (step, tensor digest) of this process's last save
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """The next step of ``optimizer`` waits until the last device-to-host copy has read the weights."""
+        optimizer.register_step_pre_hook(lambda *_: self.stager.fence())
 
     def busy(self) -> bool:
         return self.pending is not None and not self.pending.done()
@@ -111,15 +76,19 @@ class Saver:
         if self.busy() and self.overlap == "skip":
             return self._refused(info.step, "skipped: the previous save is still in flight", on_result)
         waited += self._settle(wait=True)
-        problem = self._preflight(state)
+        owned = owned_keys(state.shared_tensors, self.group)
+        mine = {key: tensor for key, tensor in state.shared_tensors.items() if key in owned}
+        problem = self._preflight(state, mine)
         if problem:
             return self._refused(info.step, f"preflight: {problem}", on_result)
         rank = collectives.rank()
         temp_dir = collectives.broadcast_object(store.new_temp_dir(self.ckpt_dir, info.step) if rank == 0 else None, group=self.group)
         fault("stage")
-        allocated = self.stager.bytes_needed(state.shared_tensors) if self.pool is not None else 0
-        staged = State(state.shared_tree, self._stage(state.shared_tensors), state.rank_tree,
-                       {k: t.detach().to("cpu", copy=True) for k, t in state.rank_tensors.items()})
+        copies = self.pool is not None or any(not t.is_cpu for t in mine.values())
+        allocated = self.stager.bytes_needed(mine) if copies else 0
+        staged = State(state.shared_tree, self._stage(mine), state.rank_tree,
+                       {k: t.detach().to("cpu", copy=True) for k, t in state.rank_tensors.items()},
+                       staged_bytes=local_bytes(mine) if copies else 0, allocated_bytes=allocated)
         stall = time.monotonic() - started + waited
         rss = psutil.Process().memory_info().rss
 
@@ -131,6 +100,7 @@ class Saver:
             fault("done")
             if result.ok:
                 self.last_bytes = result.bytes
+                result = self._check_stale(result)
             on_result(result)
             return result
 
@@ -145,6 +115,14 @@ class Saver:
         if self.pool is not None or any(not t.is_cpu for t in tensors.values()):
             return self.stager.stage(tensors)
         return {key: tensor.detach() for key, tensor in tensors.items()}
+
+    def _check_stale(self, result: SaveResult) -> SaveResult:
+        """Two saves at different steps whose tensor bytes are all identical: staging read stale buffers
+        (or training changed nothing). Noted in the result as the earlier step."""
+        previous, self.last_published = self.last_published, (result.step, result.tensor_digest)
+        if previous and previous[0] != result.step and previous[1] == result.tensor_digest:
+            return replace(result, stale_of=previous[0])
+        return result
 
     def _refused(self, step: int, error: str, on_result: Callable[[SaveResult], None]) -> None:
         result = SaveResult(False, step, error=error, skipped=True)
@@ -167,8 +145,8 @@ class Saver:
         out, self.finished = self.finished, []
         return out
 
-    def _preflight(self, state: State) -> str | None:
-        """Enough disk for the expected bytes and host memory for new staging buffers, agreed by all ranks."""
+    def _preflight(self, state: State, mine: dict[str, torch.Tensor]) -> str | None:
+        """Enough disk for the expected bytes and host memory for this rank's new staging buffers, agreed by all ranks."""
         tensor_bytes = sum(t.numel() * t.element_size() for t in state.shared_tensors.values())
         expected = max(self.last_bytes, tensor_bytes)
         problem = None
@@ -178,7 +156,7 @@ class Saver:
             free, problem = 0, f"{self.ckpt_dir} is not accessible ({exc.strerror})"
         if problem is None and free < expected * DISK_MARGIN + DISK_SLACK:
             problem = f"{free / 2**20:.0f} MiB free in {self.ckpt_dir}, a snapshot needs ~{expected / 2**20:.0f} MiB"
-        new_buffers = self.stager.bytes_needed(state.shared_tensors)
+        new_buffers = self.stager.bytes_needed(mine)
         if problem is None and new_buffers and psutil.virtual_memory().available < new_buffers * DISK_MARGIN:
             problem = f"staging needs {new_buffers / 2**20:.0f} MiB of host memory, {psutil.virtual_memory().available / 2**20:.0f} MiB available"
         problems = [p for p in collectives.all_gather_object(problem, group=self.group) if p]

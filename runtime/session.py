@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ckptrun.runtime import collectives, hparams, records, rng, snapshot, stepper, store
+from ckptrun.runtime import collectives, hparams, records, reshard, rng, snapshot, stepper, store, train_state
 from ckptrun.runtime.anomaly import AnomalyDetector
 from ckptrun.runtime.data import DataLoader
 from ckptrun.runtime.env import RunEnv
@@ -35,9 +35,8 @@ from ckptrun.runtime.retention import apply_retention
 from ckptrun.runtime.precision import Policy
 from ckptrun.runtime.saver import Saver
 from ckptrun.runtime.precision_report import REPORT, DtypeRecorder, write_report
-from ckptrun.runtime.treecodec import join, split
 from ckptrun.runtime.verify import newest_verified
-from ckptrun.runtime.wrappers import canonical, unwrap as _unwrap
+from ckptrun.runtime.wrappers import unwrap as _unwrap
 
 EXIT_FAILED, EXIT_STOPPED, EXIT_UNRECOVERABLE = 1, 3, 4
 
@@ -67,6 +66,7 @@ class Run(LoopShapes):
         self._precision_reported = False
         self.config = dict(config)
         self.rank, self.world_size = collectives.rank(), collectives.world_size()
+        self.device = collectives.worker_device()  # where the script puts its model: LOCAL_RANK's GPU, or the CPU
         self.run_dir = env.run_dir
         self.ckpt_dir = env.checkpoint_dir
         self.step = 0
@@ -90,6 +90,7 @@ class Run(LoopShapes):
         self.save_budget_spent: str | None = None
         self.code_version = _code_version()
         self.lineage = ""
+        self.world_history = reshard.history(None, self.world_size, 0)
         self.parent: str | None = None
         self.last_save_time = time.monotonic()
         self.last_step_time = time.monotonic()
@@ -114,6 +115,8 @@ class Run(LoopShapes):
                 obj.before_batch = self._boundary
             if name == "optimizer" and isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(self._note_lr)
+            if isinstance(obj, torch.optim.Optimizer):
+                self.saver.guard(obj)
             self.objects[name] = obj
 
     def _note_lr(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -149,7 +152,7 @@ class Run(LoopShapes):
             started = time.monotonic()
             self._check_compatible(snapshot.read_manifest(chosen))
             try:
-                loaded = snapshot.load(chosen)
+                loaded = self._load(chosen)
             except snapshot.LoadError as exc:
                 self._restore_failed(chosen, str(exc))
                 skipped.add(chosen.name)
@@ -197,16 +200,20 @@ class Run(LoopShapes):
         skipped: set[str] = set()
         while (path := self._newest_verified(skipped)) is not None:
             try:
-                return path, snapshot.load(path)
+                return path, self._load(path)
             except snapshot.LoadError as exc:  # raised on every rank alike
                 self._note_unloadable(path, str(exc))
                 skipped.add(path.name)
         return None
 
+    def _load(self, path: Path) -> snapshot.Loaded:
+        """Load a snapshot; one written at another world size brings no per-rank files (see :mod:`reshard`)."""
+        return snapshot.load(path, rank_files=snapshot.read_manifest(path).world_size == self.world_size,
+                             live=train_state.live_tensors(self.objects))
+
     def _check_compatible(self, manifest: snapshot.Manifest) -> None:
-        if manifest.world_size != self.world_size:
-            self._refuse(f"snapshot step {manifest.step} was written by {manifest.world_size} ranks but this run has "
-                         f"{self.world_size}; resume with --nproc-per-node {manifest.world_size} (resharding is not supported yet)")
+        if manifest.world_size != self.world_size and not self.env.allow_reshard:
+            self._refuse(reshard.refusal(manifest, self.world_size))
         changed = refused_changes(manifest.config, self.config, self.env.allow_changes)
         if changed:
             detail = ", ".join(f"{k}: {manifest.config.get(k)!r} -> {self.config.get(k)!r}" for k in changed)
@@ -223,15 +230,19 @@ class Run(LoopShapes):
 
     def _apply(self, loaded: snapshot.Loaded) -> None:
         tree = loaded.shared_tree
-        for name, obj in self.objects.items():
+        for name in self.objects:
             if name not in tree["objects"]:
                 self._refuse(f"snapshot has no state for {name!r} (tracked now, not when it was saved)")
-            _unwrap(obj).load_state_dict(canonical(obj, join(tree["objects"][name], loaded.shared_tensors)))
+        train_state.apply(self.objects, tree["objects"], loaded.shared_tensors)
         self.step = tree["counters"]["step"]
         self.epoch = tree["counters"].get("epoch", 0)
         self.rollbacks = tree["counters"].get("rollbacks", 0)
-        if not self.faults.has("skip-rng-restore"):
+        if not loaded.rank_tree:  # written at another world size: per-rank state does not carry over
+            reshard.reseed(self.env.seed, self.step, self.rank)
+            reshard.record(self, loaded.manifest)
+        elif not self.faults.has("skip-rng-restore"):
             rng.restore(loaded.rank_tree["rng"], loaded.rank_tensors)
+        self.world_history = reshard.history(loaded.manifest, self.world_size, self.step)
         self.lineage = store.read_lineage(self.ckpt_dir).current if store.read_lineage(self.ckpt_dir) else loaded.manifest.lineage
 
     def _refuse(self, message: str, code: int = EXIT_UNRECOVERABLE, fatal: bool = True) -> None:
@@ -272,7 +283,7 @@ class Run(LoopShapes):
         if not stats.skipped:
             self._advance_schedules(model)
         optimizer.zero_grad(set_to_none=True)
-        count = len(micro_batches) * getattr(self.objects.get("loader"), "global_batch", 0)
+        count = len(micro_batches) * getattr(self.objects.get("loader"), "micro_samples", 0)
         return self.end_step(value, samples=count, **{**custom, **stats.metrics()})
 
     def _micro_fault(self, index: int) -> None:
@@ -449,7 +460,13 @@ class Run(LoopShapes):
                               persist_s=result.persist_s, publish_s=result.publish_s, asynchronous=result.asynchronous,
                               throughput_mb_s=result.bytes / seconds / 1e6 if seconds else None,
                               staging_allocated_bytes=result.staging_allocated_bytes,
-                              rss_after_stage_bytes=result.rss_after_stage_bytes)
+                              rss_after_stage_bytes=result.rss_after_stage_bytes,
+                              staged_bytes_per_rank=list(result.staged_bytes_per_rank),
+                              staging_allocated_bytes_per_rank=list(result.allocated_bytes_per_rank))
+            if result.stale_of is not None:
+                records.log_event(self.run_dir, "stale_staging", step=result.step, same_as_step=result.stale_of)
+                print(f"ckptrun: warning: snapshot step {result.step} holds exactly the tensors of step {result.stale_of}: "
+                      "stale staging, or training changed nothing", file=sys.stderr, flush=True)
             apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention)
         else:
             records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)
@@ -482,14 +499,10 @@ class Run(LoopShapes):
             records.log_event(self.run_dir, "cadence", step=self.step, attempt=self.env.attempt, **change)
 
     def _collect(self) -> snapshot.State:
-        trees, tensors = {}, {}
-        for name, obj in self.objects.items():
-            state = _unwrap(obj).state_dict()
-            trees[name], own = split(state, name)
-            tensors.update(own)
+        trees, tensors, aliases = train_state.collect(self.objects)
         rng_tree, rng_tensors = rng.capture()
         counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
-        shared_tree = {"objects": trees, "counters": counters, "config": self.config}
+        shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases}
         return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors)
 
     def _info(self) -> snapshot.SnapshotInfo:
@@ -498,6 +511,7 @@ class Run(LoopShapes):
             run_id=self.env.run_id, lineage=self.lineage, parent=self.parent, step=self.step,
             epoch=getattr(loader, "epoch", self.epoch), samples_seen=getattr(loader, "samples_seen", 0),
             precision=self.precision.mode, config=self.config, code_version=self.code_version,
+            world_size_history=self.world_history,
         )
 
     # --- stopping -------------------------------------------------------------

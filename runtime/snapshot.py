@@ -16,10 +16,11 @@ the restricted DCP reader, ``torch.load(weights_only=True)`` and JSON.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,9 +28,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptrun.runtime import collectives, store
-from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata
+from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata, tensor_table
 from ckptrun.runtime.hashing import HashingWriter
-from ckptrun.runtime.manifest import FileEntry, Manifest, read_manifest
+from ckptrun.runtime.manifest import FileEntry, Manifest, TensorEntry, read_manifest
 
 DCP_DIR = "dcp"
 STATE_JSON = "state.json"
@@ -55,6 +56,8 @@ class State:
     shared_tensors: dict[str, torch.Tensor]
     rank_tree: dict[str, Any]
     rank_tensors: dict[str, torch.Tensor]
+    staged_bytes: int = 0  # host buffer bytes holding this rank's share of ``shared_tensors``
+    allocated_bytes: int = 0  # of which newly allocated by this save
 
 
 @dataclass
@@ -70,6 +73,7 @@ class SnapshotInfo:
     precision: str
     config: dict[str, Any]
     code_version: str
+    world_size_history: list[dict[str, int]] = field(default_factory=list)  # see reshard.history
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,10 @@ class SaveResult:
     asynchronous: bool = False
     staging_allocated_bytes: int = 0  # new host buffers this save needed (0 once they exist)
     rss_after_stage_bytes: int = 0  # the process's resident memory right after staging
+    staged_bytes_per_rank: tuple[int, ...] = ()  # each rank's staging buffers for this save: its share of the state
+    allocated_bytes_per_rank: tuple[int, ...] = ()
+    tensor_digest: str = ""  # one digest over every DCP data file: equal at two steps means nothing changed
+    stale_of: int | None = None  # an earlier step whose tensor bytes this save repeats exactly (stale staging?)
 
 
 FaultHook = Callable[[str], None]
@@ -109,10 +117,12 @@ def persist_and_publish(
     """
     started = time.monotonic()
     rank, world = collectives.rank(), collectives.world_size()
-    entries, error = _persist(temp_dir, state, rank, algorithm, fault, group)
+    entries, error, table = _persist(temp_dir, state, rank, algorithm, fault, group)
     persist_done = time.monotonic()
-    gathered = collectives.all_gather_object((entries, error), group=group)
-    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+    gathered = collectives.all_gather_object((entries, error, state.staged_bytes, state.allocated_bytes), group=group)
+    staged = tuple(g[2] for g in gathered)
+    allocated = tuple(g[3] for g in gathered)
+    errors = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1]]
     if errors:
         errors.append(_free_space(temp_dir.parent))
         if rank == 0:
@@ -122,32 +132,36 @@ def persist_and_publish(
     fault("before-manifest")
     result: Any = None
     if rank == 0:
-        files = sorted((e for rank_entries, _ in gathered for e in rank_entries), key=lambda e: e.path)
-        result = _publish(temp_dir, files, info, world, fault)
+        files = sorted((e for g in gathered for e in g[0]), key=lambda e: e.path)
+        result = _publish(temp_dir, files, table, info, world, fault)
     else:
         fault("before-publish")  # the publisher is rank 0; other ranks wait for it here
     result = collectives.broadcast_object(result, group=group)
     if isinstance(result, str):
         return SaveResult(False, info.step, error=result, persist_s=persist_done - started)
-    path, total = result
-    return SaveResult(True, info.step, Path(path), total, 0.0, persist_done - started, time.monotonic() - persist_done)
+    path, total, digest = result
+    return SaveResult(True, info.step, Path(path), total, 0.0, persist_done - started, time.monotonic() - persist_done,
+                      staged_bytes_per_rank=staged, allocated_bytes_per_rank=allocated, tensor_digest=digest)
 
 
-def _persist(temp_dir: Path, state: State, rank: int, algorithm: str, fault: FaultHook, group: Any) -> tuple[list[FileEntry], str | None]:
-    """Write this rank's files; DCP runs collectively, so every rank must call it."""
+def _persist(temp_dir: Path, state: State, rank: int, algorithm: str, fault: FaultHook,
+             group: Any) -> tuple[list[FileEntry], str | None, dict[str, TensorEntry]]:
+    """Write this rank's files (its share of the DCP state, tagged with its rank); DCP runs collectively,
+    so every rank must call it. Also returns the global shape and dtype of every DCP tensor."""
     entries: list[FileEntry] = []
-    error = None
+    error, table = None, {}
     writer = hashing_writer(temp_dir / DCP_DIR, algorithm, on_write=lambda name: fault("persist"))
     try:
-        dcp.save(state.shared_tensors, storage_writer=writer, process_group=group)
+        metadata = dcp.save(state.shared_tensors, storage_writer=writer, process_group=group)
+        table = {key: TensorEntry(shape=shape, dtype=dtype) for key, (shape, dtype) in tensor_table(metadata).items()}
     except BaseException as exc:  # CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         error = f"DCP save failed: {_first_line(exc)}"
-    entries += [FileEntry(path=f"{DCP_DIR}/{name}", size=size, algorithm=algorithm, digest=digest)
+    entries += [FileEntry(path=f"{DCP_DIR}/{name}", size=size, algorithm=algorithm, digest=digest, rank=rank)
                 for name, (size, digest) in writer.fs.digests.items()]
     if error:
-        return entries, error
+        return entries, error, table
     try:
         if rank == 0:
             entries.append(_write_json(temp_dir / STATE_JSON, state.shared_tree, algorithm))
@@ -155,7 +169,7 @@ def _persist(temp_dir: Path, state: State, rank: int, algorithm: str, fault: Fau
         entries.append(_write_tensors(temp_dir / rank_tensors(rank), state.rank_tensors, algorithm))
     except OSError as exc:
         error = f"writing {exc.filename or 'snapshot file'} failed: {exc.strerror or exc}"
-    return entries, error
+    return [e.model_copy(update={"rank": rank}) for e in entries], error, table
 
 
 def _free_space(ckpt_dir: Path) -> str:
@@ -197,12 +211,14 @@ def _write_bytes(path: Path, write: Callable[[Any], Any], algorithm: str) -> Fil
     return FileEntry(path=path.name, size=stream.size, algorithm=algorithm, digest=stream.hexdigest())
 
 
-def _publish(temp_dir: Path, files: list[FileEntry], info: SnapshotInfo, world: int, fault: FaultHook) -> tuple[str, int] | str:
-    """Rank 0: manifest last, then the atomic rename. Returns (path, bytes) or an error."""
+def _publish(temp_dir: Path, files: list[FileEntry], tensors: dict[str, TensorEntry], info: SnapshotInfo, world: int,
+             fault: FaultHook) -> tuple[str, int, str] | str:
+    """Rank 0: manifest last, then the atomic rename. Returns (path, bytes, tensor digest) or an error."""
     manifest = Manifest(
         run_id=info.run_id, lineage=info.lineage, parent=info.parent, step=info.step, epoch=info.epoch,
         samples_seen=info.samples_seen, world_size=world, precision=info.precision, config=info.config,
-        torch_version=torch.__version__, code_version=info.code_version, files=files,
+        torch_version=torch.__version__, code_version=info.code_version, files=files, tensors=tensors,
+        world_size_history=info.world_size_history,
     )
     try:
         for sub in {Path(f.path).parent for f in files if "/" in f.path}:
@@ -213,7 +229,13 @@ def _publish(temp_dir: Path, files: list[FileEntry], info: SnapshotInfo, world: 
     except OSError as exc:
         store.clean_temp_dirs(temp_dir.parent)
         return f"publishing {store.snapshot_name(info.step)} failed: {exc.strerror or exc}"
-    return str(final), manifest.total_bytes
+    return str(final), manifest.total_bytes, _tensor_digest(files)
+
+
+def _tensor_digest(files: list[FileEntry]) -> str:
+    """One digest over the DCP data files' digests (not the metadata, which names the save)."""
+    data = [f"{f.path}:{f.digest}" for f in files if f.path.startswith(f"{DCP_DIR}/") and not f.path.endswith(".metadata")]
+    return hashlib.sha256("\n".join(sorted(data)).encode()).hexdigest()
 
 
 # --- loading -------------------------------------------------------------------
@@ -246,8 +268,13 @@ def check_sizes(snapshot_dir: Path, manifest: Manifest) -> None:
             raise LoadError(f"{snapshot_dir.name}/{entry.path} is {size} bytes, manifest says {entry.size}")
 
 
-def load(snapshot_dir: Path) -> Loaded:
+def load(snapshot_dir: Path, rank_files: bool = True, live: dict[str, torch.Tensor] | None = None) -> Loaded:
     """Collectively load a snapshot whose bytes were verified; every rank reads its own files.
+
+    Tensors in ``live`` (model and optimizer, keyed as stored) are loaded into in place, so
+    each rank reads only its shards; tied tensors come back as one tensor under every key.
+
+    ``rank_files=False`` (a resume at another world size) reads no per-rank files: ``rank_tree`` is empty.
 
     Raises :class:`LoadError` on every rank when any rank cannot load its part,
     so the ranks agree on falling back instead of deadlocking.
@@ -255,7 +282,7 @@ def load(snapshot_dir: Path) -> Loaded:
     local: Loaded | None = None
     problem = None
     try:
-        local = _read_local(snapshot_dir, collectives.rank())
+        local = _read_local(snapshot_dir, collectives.rank(), rank_files, live)
     except Exception as exc:  # noqa: BLE001 - any local failure must reach the agreement below
         problem = f"rank {collectives.rank()}: {type(exc).__name__}: {exc}"
     problems = [p for p in collectives.all_gather_object(problem) if p]
@@ -268,24 +295,40 @@ def load(snapshot_dir: Path) -> Loaded:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise LoadError(f"DCP load failed: {_first_line(exc)}") from None
+    for alias, key in local.shared_tree.get("aliases", {}).items():
+        local.shared_tensors[alias] = local.shared_tensors[key]
     return local
 
 
-def _read_local(snapshot_dir: Path, rank: int) -> Loaded:
+def _read_local(snapshot_dir: Path, rank: int, rank_files: bool = True,
+                live: dict[str, torch.Tensor] | None = None) -> Loaded:
     """This rank's small files and the DCP metadata, read through loaders that run no code."""
     from ckptrun.runtime.treecodec import tensor_keys
 
     manifest = read_manifest(snapshot_dir)
     check_sizes(snapshot_dir, manifest)
     listed = {entry.path for entry in manifest.files}
-    for needed in (STATE_JSON, rank_json(rank), rank_tensors(rank), f"{DCP_DIR}/.metadata"):
+    own_files = (rank_json(rank), rank_tensors(rank)) if rank_files else ()
+    for needed in (STATE_JSON, *own_files, f"{DCP_DIR}/.metadata"):
         if needed not in listed:
             raise LoadError(f"{snapshot_dir.name} does not list {needed}")
     shared_tree = json.loads((snapshot_dir / STATE_JSON).read_text())
-    rank_tree = json.loads((snapshot_dir / rank_json(rank)).read_text())
-    own = torch.load(snapshot_dir / rank_tensors(rank), map_location="cpu", weights_only=True)
+    rank_tree: dict[str, Any] = json.loads((snapshot_dir / rank_json(rank)).read_text()) if rank_files else {}
+    own = torch.load(snapshot_dir / rank_tensors(rank), map_location="cpu", weights_only=True) if rank_files else {}
     if not isinstance(own, dict) or not all(isinstance(v, torch.Tensor) for v in own.values()):
         raise LoadError(f"{rank_tensors(rank)} does not hold a dict of tensors")
     metadata = load_metadata(snapshot_dir / DCP_DIR)
-    shared = allocate_from_metadata(metadata, tensor_keys(shared_tree))
+    _check_tensor_table(manifest, tensor_table(metadata))
+    aliases = shared_tree.get("aliases", {})
+    shared = allocate_from_metadata(metadata, [k for k in tensor_keys(shared_tree) if k not in aliases], live)
     return Loaded(manifest, shared_tree, shared, rank_tree, own)
+
+
+def _check_tensor_table(manifest: Manifest, stored: dict[str, tuple[list[int], str]]) -> None:
+    """The DCP metadata describes exactly the tensors the manifest lists (schema 2), shape for shape."""
+    if manifest.schema_version < 2:
+        return
+    listed = {key: (entry.shape, entry.dtype) for key, entry in manifest.tensors.items()}
+    for key in sorted(set(listed) | set(stored)):
+        if listed.get(key) != stored.get(key):
+            raise LoadError(f"tensor {key!r}: manifest says {listed.get(key)}, DCP metadata says {stored.get(key)}")

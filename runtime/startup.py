@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ckptrun.runtime import collectives, records, rng, store
 from ckptrun.runtime.env import RunEnv
@@ -39,10 +38,7 @@ def init(config: dict[str, Any] | None = None, precision: str | None = None) -> 
                                f"{env.precision!r}; drop one of them", 2)
         env = env.model_copy(update={"precision": precision})
     if "RANK" in os.environ and not collectives.active():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        collectives.start(collectives.worker_device())
     try:
         decision = resolve(env.precision)
     except PrecisionUnavailable as exc:

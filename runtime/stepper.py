@@ -88,9 +88,9 @@ def optimizer_step(model: Any, optimizer: torch.optim.Optimizer, scaler: torch.a
 
 
 def _agree_on_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
-    """Make every rank skip when any rank found an inf (private GradScaler state, stable since torch 1.6)."""
-    if collectives.world_size() == 1:
-        return
+    """Make every rank skip when any rank found an inf (private GradScaler state, stable since torch 1.6).
+
+    The flags live on the device; their sum crosses ranks as a CPU tensor (gloo), as every decision does."""
     found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
     local = sum(float(flag.item()) for flag in found.values())
     if collectives.all_reduce_sum([local])[0] > 0:

@@ -130,6 +130,7 @@ def verify_snapshot(
             pool.shutdown()
     report.problems += [problem for problem in results if problem]
     report.problems += [f"{name}: not listed in the manifest" for name in _unlisted(path, manifest)]
+    report.problems += manifest.sharding_problems()
     if not path.exists():
         return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"], manifest)
     if report.problems:

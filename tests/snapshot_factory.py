@@ -54,7 +54,7 @@ def _write(root: Path, rel: str, data: bytes) -> FileEntry:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     size, digest = hash_file(path, "sha256")
-    return FileEntry(path=rel, size=size, algorithm="sha256", digest=digest)
+    return FileEntry(path=rel, size=size, algorithm="sha256", digest=digest, rank=0)  # a one-rank job wrote it
 
 
 # --- damage, as disks and people do it -----------------------------------------

@@ -204,10 +204,13 @@ def test_run_dir_probe_reruns_the_script_and_leaves_the_run_untouched(with_histo
 
 
 @pytest.mark.timeout(180)
-def test_run_dir_probe_refuses_another_world_size(with_history: Path) -> None:
-    write_run_record(with_history, RunRecord(run_id="probe-test", spec=LaunchSpec(script_args=list(FAST))))
-    result = ckptrun("estimate-rto", with_history, "--probe", "--nproc-per-node", "2")
-    assert result.returncode == 2 and "written by 1 ranks" in result.stderr
+def test_run_dir_probe_at_another_world_size_reshards(with_history: Path) -> None:
+    spec = LaunchSpec(script_args=list(FAST), threads=1, save_every_steps=5)
+    write_run_record(with_history, RunRecord(run_id="probe-test", spec=spec))
+    code, doc, err = estimate(with_history, "--probe", "--nproc-per-node", "2")
+    assert code == 0, err
+    restart = doc["components"]["restart"]
+    assert restart["source"] == "measured" and restart["world_size"] == 2, restart
 
 
 # --- measurements on the snapshot's own files --------------------------------------------

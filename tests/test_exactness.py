@@ -94,4 +94,4 @@ def test_changed_world_size_is_refused(reference, tmp_path):
     shutil.copytree(reference(1) / "checkpoints", run_dir / "checkpoints")
     result = run_job(run_dir, nproc=1, args=job_args(1) + ("--num-workers", "0"), attempt=2)
     assert result.returncode == 4
-    assert "written by 2 ranks but this run has 1" in result.stderr
+    assert "written by 2 ranks but this run has 1" in result.stderr and "--allow-reshard" in result.stderr

@@ -85,7 +85,7 @@ def test_a_probe_or_an_unused_iterator_does_not_move_the_position():
     (first,) = next(loop)
     assert torch.equal(first, probe), "the loop starts where the probe looked"
     loader.commit()  # a step consumed one batch
-    assert loader.state_dict()["samples_consumed_in_epoch"] == 2
+    assert loader.state_dict()["samples_consumed"] == 2
     again = _loader()
     again.load_state_dict(loader.state_dict())
     assert torch.equal(next(iter(again))[0], next(loop)[0]), "a resumed loader hands out the next unconsumed batch"
@@ -96,7 +96,7 @@ def test_an_epoch_ends_when_the_loop_runs_out():
     loader = _loader()
     for _ in loader:
         loader.commit()
-    assert (loader.epoch, loader.state_dict()["samples_consumed_in_epoch"], loader.samples_seen) == (1, 0, 20)
+    assert (loader.epoch, loader.state_dict()["samples_consumed"], loader.samples_seen) == (1, 0, 20)
 
 
 class Stream(IterableDataset):

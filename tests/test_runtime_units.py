@@ -80,8 +80,9 @@ def test_sampler_partitions_the_epoch_and_resumes_mid_epoch():
     samplers = [ResumableSampler(10, rank, 2, shuffle=True, seed=3) for rank in (0, 1)]
     orders = [s.order() for s in samplers]
     assert sorted(orders[0] + orders[1]) == list(range(10))
-    samplers[0].start = 2
+    samplers[0].start = 4  # global: two samples of each rank consumed
     assert list(samplers[0]) == orders[0][2:]
+    assert [i for pair in zip(*orders) for i in pair] == samplers[0].permutation(), "each micro-batch sliced by rank"
     samplers[0].epoch = 1
     assert samplers[0].order() != orders[0], "reshuffled per epoch"
 

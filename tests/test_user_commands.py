@@ -74,7 +74,7 @@ def test_init_then_launch_of_the_copied_template_recovers(recovered: SimpleNames
 def test_init_lists_refuses_to_overwrite_and_forces(tmp_path: Path) -> None:
     listed = cli("init", "--list")
     assert listed.exit_code == 0
-    assert [line.split()[0] for line in listed.stdout.splitlines()] == ["minimal", "char-gpt"]
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == ["minimal", "char-gpt", "fsdp"]
     assert cli("init", str(tmp_path), "--template", "char-gpt").exit_code == 0
     assert (tmp_path / "data" / "tiny.txt").stat().st_size > 2000
     again = cli("init", str(tmp_path), "--template", "char-gpt")
@@ -83,7 +83,7 @@ def test_init_lists_refuses_to_overwrite_and_forces(tmp_path: Path) -> None:
     assert cli("init", str(tmp_path), "--template", "char-gpt", "--force").exit_code == 0
     assert (tmp_path / "train.py").read_text() == (TEMPLATES / "char_gpt.py").read_text()
     unknown = cli("init", str(tmp_path / "x"), "--template", "nope")
-    assert unknown.exit_code == 2 and "minimal, char-gpt" in unknown.stderr
+    assert unknown.exit_code == 2 and "minimal, char-gpt, fsdp" in unknown.stderr
 
 
 def test_the_commented_config_uses_only_launch_keys(tmp_path: Path) -> None:

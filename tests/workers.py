@@ -46,14 +46,14 @@ def run_id_for(run_dir: Path) -> str:
 
 
 def run_job(run_dir: Path, nproc: int = 1, args: tuple[str, ...] = (), timeout: float = 120,
-            module: str = TEMPLATE, script: Path | None = None, **env_fields: object) -> Result:
-    """Run a worker script under plain python (nproc=1) or torchrun, with C1 fields from ``env_fields``."""
+            module: str = TEMPLATE, script: Path | None = None, torchrun: bool = False, **env_fields: object) -> Result:
+    """Run a worker script under plain python (nproc=1 without ``torchrun``) or torchrun, with C1 fields from ``env_fields``."""
     fields = {"run_id": run_id_for(run_dir), "run_dir": run_dir, "threads": 1, **env_fields}
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
     env.update(QUIET)
     env.update(RunEnv(**fields).to_env())
     target = [str(script)] if script else ["-m", module]
-    if nproc == 1:
+    if nproc == 1 and not torchrun:
         command = [sys.executable, *target, *args]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -1,0 +1,84 @@
+"""Host copies of the state a rank writes, in buffers allocated once and reused by every save.
+
+First touch of new memory is slow, so buffers persist across saves. A rank
+stages only the tensors it writes (see :func:`dcp_io.owned_keys`): FSDP2's
+DTensors as their local shard, re-wrapped so DCP still sees the global tensor.
+
+On a GPU the device-to-host copy runs on one side stream that first waits for
+the current (training) stream, so it reads the weights as of this step; the
+buffers are pinned. An event recorded after the copies is what :meth:`Stager.fence`
+waits on: before the next optimizer step overwrites the weights (an optimizer
+pre-hook), before the next staging call, and before the writer reads the buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes this rank holds: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(local(t).numel() * local(t).element_size() for t in tensors.values())
+
+
+class Stager:
+    """Reused host buffers plus their own accounting (what was staged, what had to be allocated)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._event: Any = None
+        self._stream: Any = None
+
+    def bytes_needed(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Bytes of buffers this stage would have to allocate (0 once they exist)."""
+        return local_bytes({k: t for k, t in tensors.items() if not self._fits(k, local(t))})
+
+    def _fits(self, key: str, tensor: torch.Tensor) -> bool:
+        buffer = self._buffers.get(key)
+        return buffer is not None and buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` into the buffers; buffers of keys no longer staged are freed."""
+        self.fence()  # the previous copy is done before its buffers are reused
+        self._buffers = {k: b for k, b in self._buffers.items() if k in tensors}
+        on_gpu = any(local(t).is_cuda for t in tensors.values())
+        with self._copy_stream() if on_gpu else contextlib.nullcontext():
+            staged = {key: self._copy(key, tensor) for key, tensor in tensors.items()}
+        if on_gpu:
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+        return staged
+
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Any:
+        """The side stream, created once, ordered after everything the training stream queued so far."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def _copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        source = local(tensor).detach()
+        if not self._fits(key, source):
+            self._buffers[key] = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda)
+        buffer = self._buffers[key]
+        buffer.copy_(source, non_blocking=source.is_cuda)
+        if isinstance(tensor, DTensor):
+            return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements, run_check=False,
+                                      shape=tensor.shape, stride=tensor.stride())
+        return buffer
+
+    def fence(self) -> None:
+        """Block until the last device-to-host copy is complete (a no-op on CPU and once it is)."""
+        event = self._event
+        if event is not None:
+            event.synchronize()

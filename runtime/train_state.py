@@ -1,0 +1,125 @@
+"""Tracked objects as DCP ``Stateful`` state: one path for plain, DDP and FSDP2 models.
+
+Modules and optimizers go through ``torch.distributed.checkpoint.state_dict``:
+keys are the model's own parameter names (no ``module.`` of DDP, no
+``_orig_mod.`` of torch.compile), optimizer state is keyed by those names
+rather than by parameter index, and FSDP2 shards stay DTensors, so DCP writes
+each rank's shards and reshards them on load. Every other tracked object
+(scheduler, scaler, data loader) keeps its own ``state_dict``. Tensors that
+share storage (tied weights) are stored once; the others name it as an alias.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ckptrun.runtime.staging import local
+from ckptrun.runtime.treecodec import join, split
+from ckptrun.runtime.wrappers import canonical, unwrap
+
+
+class ModuleState(Stateful):
+    """A module's parameters and buffers under their canonical names; DTensor shards stay sharded."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = unwrap(module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.module)
+
+    def targets(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, canonical(self.module, state_dict))
+
+
+class OptimizerState(Stateful):
+    """An optimizer's state keyed by parameter name (FQN), as ``get_optimizer_state_dict`` gives it."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = unwrap(model), optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.optimizer.state:  # before the first step torch would take a zero-lr step to create it
+            return self._stateless()
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def targets(self) -> dict[str, Any]:
+        """Like :meth:`state_dict`, creating the state first (a zero-lr step) so there is one to load into."""
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def _stateless(self) -> dict[str, Any]:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+                  for g in self.optimizer.param_groups]
+        return {"state": {}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict.get("param_groups") or [{}]
+        if any(isinstance(p, int) for p in groups[0].get("params", [])):  # a snapshot from before FQN keys
+            self.optimizer.load_state_dict(state_dict)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+def stateful(objects: dict[str, Any]) -> dict[str, Any]:
+    """Each tracked object as it is saved: modules and (with a tracked ``model``) optimizers wrapped."""
+    model = objects.get("model")
+    out = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            out[name] = ModuleState(obj)
+        elif isinstance(obj, torch.optim.Optimizer) and isinstance(model, torch.nn.Module):
+            out[name] = OptimizerState(model, obj)
+        else:
+            out[name] = unwrap(obj)
+    return out
+
+
+def collect(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, str]]:
+    """(json trees by object name, tensors to store, aliases): each tied tensor is stored under its first key."""
+    trees, tensors = {}, {}
+    for name, obj in stateful(objects).items():
+        trees[name], own = split(obj.state_dict(), name)
+        tensors.update(own)
+    aliases = tied(tensors)
+    return trees, {k: t for k, t in tensors.items() if k not in aliases}, aliases
+
+
+def tied(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: key}`` for tensors that are views of the same bytes as an earlier key's."""
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for key, tensor in tensors.items():
+        shard = local(tensor)
+        if shard.numel() == 0 or shard.device.type == "meta":
+            continue
+        identity = (shard.untyped_storage().data_ptr(), shard.storage_offset(), tuple(shard.shape), shard.stride(), shard.dtype)
+        if identity in seen:
+            aliases[key] = seen[identity]
+        else:
+            seen[identity] = key
+    return aliases
+
+
+def live_tensors(objects: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The live model and optimizer tensors, keyed as stored: DCP loads into them in place, so an FSDP2
+    rank receives only its own shards, on its own device."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, obj in stateful(objects).items():
+        if isinstance(obj, (ModuleState, OptimizerState)):
+            tensors.update(split(obj.targets(), name)[1])
+    return tensors
+
+
+def apply(objects: dict[str, Any], trees: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Load each tracked object's stored state (the caller checked that ``trees`` has every name)."""
+    for name, obj in stateful(objects).items():
+        obj.load_state_dict(join(trees[name], tensors))
