@@ -129,17 +129,20 @@ def read_weights(snapshot_dir: Path, name: str) -> dict[str, torch.Tensor]:
     from ckptrun.runtime.snapshot import DCP_DIR, STATE_JSON
     from ckptrun.runtime.treecodec import join, tensor_keys
 
-    objects = json.loads((snapshot_dir / STATE_JSON).read_text()).get("objects", {})
+    shared = json.loads((snapshot_dir / STATE_JSON).read_text())
+    objects, aliases = shared.get("objects", {}), shared.get("aliases", {})
     if name not in objects:
         flag = "--ema: the run tracked no `ema` object" if name == "ema" else "the run tracked no `model` object"
         raise CkptrunError(f"{flag} in {snapshot_dir.name} (tracked: {', '.join(objects) or 'nothing'})",
                            "drop --ema to export the model's weights" if name == "ema" else "track the model as run.track(model=...)")
     tree = objects[name]
     metadata = load_metadata(snapshot_dir / DCP_DIR)
-    tensors = allocate_from_metadata(metadata, tensor_keys(tree))
+    keys = tensor_keys(tree)  # a tied weight is stored once, under the key its alias names
+    tensors = allocate_from_metadata(metadata, sorted({aliases.get(key, key) for key in keys}))
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=SafeReader(snapshot_dir / DCP_DIR), no_dist=True)
+    tensors.update({key: tensors[aliases[key]] for key in keys if key in aliases})
     return plain_state_dict(join(tree, tensors), averaged=name == "ema")
 
 

@@ -19,7 +19,7 @@ import typer
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_REFUSED, CkptrunError, command
 from ckptrun.cli.rundir import RunPaths, alive, holder, latest_run
 from ckptrun.cli.runner import resume_run, start_run
-from ckptrun.cli.spec import build_spec
+from ckptrun.cli.spec import RENAMED, LaunchSpec, build_spec
 from ckptrun.runtime import records
 
 # Options end at the first word that is not one (SCRIPT) or at `--`; an unknown option before that is a typo,
@@ -105,22 +105,17 @@ def launch(
       ckptrun launch --nproc-per-node 2 train.py --lr 3e-4
       ckptrun launch --nproc-per-node 2 --save-every-steps 5 -- --steps 40
     """
+    options = {key: value for key, value in locals().items() if key not in ("ctx", "config", "standalone", "as_json")}
+    return start_run(launch_spec(ctx, config, standalone, options), argv=sys.argv, as_json=as_json)
+
+
+def launch_spec(ctx: typer.Context, config: Optional[Path], standalone: bool, options: dict[str, Any]) -> LaunchSpec:
+    """The spec from launch's options (by parameter name) and SCRIPT ARGS; ``ckptrun preflight`` takes the same."""
     script, script_args = split_target(ctx.args)
-    flags = dict(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                 master_port=master_port, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, name=name,
-                 run_dir=run_dir, ckpt_dir=ckpt_dir, precision=precision, save_every_steps=save_every_steps,
-                 save_every_seconds=save_every_seconds, save_every=save_every, mtbf=mtbf, async_save=async_save, save_overlap=save_overlap, keep_last=keep_last, keep_every=keep_every, paranoid_retention=paranoid_retention, seed=seed,
-                 deterministic=deterministic, threads=threads, allow_changes=allow_change, allow_reshard=allow_reshard, inject_fault=inject_fault,
-                 hash_algorithm=hash_algorithm, max_failed_saves=max_failed_saves, on_anomaly=on_anomaly,
-                 anomaly_sigma=anomaly_sigma, max_rollbacks=max_rollbacks,
-                 max_restarts=max_restarts, max_stalled_restarts=max_stalled_restarts, heartbeat_timeout=heartbeat_timeout, startup_timeout=startup_timeout,
-                 save_timeout=save_timeout, grace_period=grace_period, time_limit=time_limit, stop_signal=stop_signal,
-                 restart_backoff=restart_backoff, rto_budget=rto_budget, strict_budget=strict_budget,
-                 require_exact_resume=require_exact_resume, ranks_output=ranks_output, script=script,
-                 script_args=script_args or None)
-    if standalone and master_port is not None:
+    flags = {RENAMED.get(key, key): value for key, value in options.items()}  # --allow-change → allow_changes
+    if standalone and options.get("master_port") is not None:
         raise CkptrunError("--standalone and --master-port contradict each other", "pass one of them")
-    return start_run(build_spec(flags, config), argv=sys.argv, as_json=as_json)
+    return build_spec({**flags, "script": script, "script_args": script_args or None}, config)
 
 
 RESUME_CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": False}  # `-- NEW SCRIPT ARGS`

@@ -17,6 +17,7 @@ from ckptrun.cli.estimate_rto import estimate_rto
 from ckptrun.cli.demo import demo
 from ckptrun.cli.launch import LAUNCH_CONTEXT, RESUME_CONTEXT, launch, resume, stop
 from ckptrun.cli.precision_report import precision_report
+from ckptrun.cli.preflight import preflight
 from ckptrun.cli.verify import verify
 from ckptrun.cli.status import status
 from ckptrun.cli.init import init
@@ -60,6 +61,7 @@ def root(
 app.command(epilog=EPILOG, context_settings=LAUNCH_CONTEXT, options_metavar="[OPTIONS] [SCRIPT [ARGS]...]")(launch)
 app.command(epilog=EPILOG, context_settings=RESUME_CONTEXT, options_metavar="[OPTIONS] [-- SCRIPT_ARGS...]")(resume)
 app.command(epilog=EPILOG)(stop)
+app.command(epilog=EPILOG, context_settings=LAUNCH_CONTEXT, options_metavar="[OPTIONS] [SCRIPT [ARGS]...]")(preflight)
 app.command(epilog=EPILOG)(demo)
 app.command(epilog=EPILOG)(verify)
 app.command(epilog=EPILOG)(estimate_rto)
@@ -95,7 +97,7 @@ def unknown_option(exc: NoSuchOption) -> errors.CkptrunError:
     command = exc.ctx.command_path if exc.ctx else "ckptrun"
     possible = [p for p in exc.possibilities or () if p not in ("--help", "-h")]  # never a useful guess
     guess = f"did you mean {possible[0]}? " if possible else ""  # difflib's closest first
-    where = "options go before SCRIPT; " if command.endswith(" launch") else ""
+    where = "options go before SCRIPT; " if command.endswith((" launch", " preflight")) else ""
     if command.endswith(" resume"):
         where = f"new script args go after `--` (`{command} --latest -- {exc.option_name} ...`); "
     return errors.CkptrunError(exc.message, f"{guess}{where}see `{command} --help`", errors.EXIT_REFUSED)

@@ -70,6 +70,8 @@ class RunEnv(BaseModel):
     loss_scale_growth_interval: int = Field(2000, ge=1, description="fp16 GradScaler growth interval (steps).")
     fault: str | None = Field(None, description="Fault injection spec for tests (see runtime.faults).")
     exit_after_restore: bool = Field(False, description="Probe mode (estimate-rto --probe): log the restore timings, exit 0.")
+    preflight: Literal["learn", "resume"] | None = Field(None, description="`ckptrun preflight`: learn serves the first batch at every step; resume logs each state's digest per step (runtime.preflight).")
+    preflight_steps: int | None = Field(None, ge=1, description="`ckptrun preflight`: run.batches runs exactly this many steps, whatever the script asks.")
 
     @field_validator("allow_changes", mode="before")
     @classmethod

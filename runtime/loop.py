@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 from typing import Any, Iterable, Iterator
 
+from ckptrun.runtime.preflight import probe_of
 from ckptrun.runtime.reshard import note_global_batch
 
 
@@ -30,6 +31,7 @@ class LoopShapes:
     _due: tuple[bool, bool] | None
     _defer: bool
     heart: Any
+    env: Any
     world_size: int
     objects: dict[str, Any]
 
@@ -42,11 +44,15 @@ class LoopShapes:
         ``global_batch=G`` keeps the samples per step at G whatever the world size: the accumulation is
         G ÷ (batch size × world size), so a resharded run takes the same optimizer steps.
         """
+        probe = probe_of(self)  # `ckptrun preflight` only: its step count, first batch, state digests
+        steps = probe.step_count(steps) if probe is not None else steps
         self.total_steps = steps
         accumulate = self._accumulation(loader, accumulate, global_batch)
         iterator, empty_epochs = None, 0
         while self.step < steps:
             self._boundary()
+            if probe is not None:
+                probe.boundary(self.step, self.env.attempt, self.objects)
             group: list[Any] = []
             while len(group) < accumulate:
                 if iterator is None:
@@ -59,6 +65,7 @@ class LoopShapes:
                     if empty_epochs > 1:
                         raise RuntimeError("the data loader yields no batch: dataset smaller than one global batch") from None
             self.heart.beat(self.step, "train")
+            group = probe.batch(group) if probe is not None else group
             yield group[0] if accumulate == 1 else group
         self._boundary()
 

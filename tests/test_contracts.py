@@ -23,7 +23,8 @@ def test_run_env_round_trips_every_field() -> None:
         precision="bf16", save_every_steps=50, save_every_seconds=0.1 + 0.2, keep_last=5, keep_every=1000,
         max_failed_saves=2, heartbeat_interval=0.25, seed=7, deterministic=False, threads=4,
         hash_algorithm="sha256", allow_changes=("lr", "batch_size"), fault="kill:rank=1:step=5",
-        save_every_auto=True, mtbf_seconds=3600.0, save_interval_cap_seconds=0.1 + 0.7,
+        save_every_auto=True, mtbf_seconds=3600.0, save_interval_cap_seconds=0.1 + 0.7, preflight="resume",
+        preflight_steps=10,
     )
     variables = env.to_env()
     assert set(variables) == set(known_variables())
