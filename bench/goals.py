@@ -48,7 +48,7 @@ GOALS = [
     Goal("verify_gbps >= 1.2 x sha256_1t_gbps (page-cached, 2-rank snapshot)", "verify_gbps", "sha256_1t_gbps", 1.2, at_least=True),
     Goal("runtime_overhead <= 0.01", "runtime_overhead", None, 0.01),
     Goal("template A/B (with / without runtime) <= 1.02", "template_ab_ratio", None, 1.02),
-    Goal("help_s <= 0.3 s", "help_s", None, 0.3),
+    Goal("help_s <= 0.2 s", "help_s", None, 0.2),
     Goal("ckptrun --help imports no torch", "help_imports_torch", None, 0.0),
 ]
 

@@ -6,7 +6,8 @@ plus a record of per-rank failures. Ranks are torchrun's direct children that
 carry ``RANK`` in their environment; data-loader workers and other
 grandchildren are found through psutil. Teardown collects the whole tree
 *before* signalling (a dying parent orphans its children), sends SIGTERM,
-waits the grace period and SIGKILLs survivors; a last sweep finds any process
+waits the grace period (a second at most once the attempt has failed) and
+SIGKILLs survivors; a last sweep finds any process
 that still carries the run's id (a SIGKILLed rank's orphaned loader workers).
 Importable without torch.
 """
@@ -26,6 +27,7 @@ import psutil
 from ckptrun.runtime.env import variable
 
 RUN_ID_VARIABLE = variable("run_id")
+FAILED_GRACE_S = 1.0  # SIGTERM -> SIGKILL for a failed attempt's survivors (they have nothing to save)
 
 
 def torchrun_command(failures_json: Path, torchrun_args: list[str], target: list[str]) -> list[str]:
@@ -99,14 +101,21 @@ class AttemptProcess:
         unique = {p.pid: p for p in processes if p.pid != self.root.pid}
         return list(unique.values())
 
-    def teardown(self, grace: float, run_id: str) -> float:
-        """SIGTERM the tree, wait up to ``grace``, SIGKILL the rest, sweep by run id; returns seconds."""
+    def teardown(self, grace: float, run_id: str, failed: bool = False) -> float:
+        """SIGTERM the ranks and torchrun at once, wait up to ``grace``, SIGKILL the rest, sweep by run id;
+        returns seconds.
+
+        A ``failed`` attempt (a crash, a hang, a kill) has nothing left to save, and its survivors sit blocked
+        in a collective waiting for the lost rank: they get :data:`FAILED_GRACE_S` at most, not the grace
+        period a stop needs to save. The ranks are signalled directly, first, not through torchrun.
+        """
+        grace = min(grace, FAILED_GRACE_S) if failed else grace
         started = time.monotonic()
         others = self.tree()
-        if self.popen.poll() is None:
-            _signal(self.root, signal.SIGTERM)
         for process in others:
             _signal(process, signal.SIGTERM)
+        if self.popen.poll() is None:
+            _signal(self.root, signal.SIGTERM)
         alive = wait_gone(others, grace)
         try:
             self.popen.wait(timeout=max(0.1, grace - (time.monotonic() - started)))

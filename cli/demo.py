@@ -20,6 +20,7 @@ from typing import Any
 import typer
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
+from ckptrun.cli.recovery import STARTUP_PARTS
 from ckptrun.cli.rundir import RUNS_ROOT
 from ckptrun.runtime.records import final_losses, read_events, same_float
 
@@ -63,6 +64,7 @@ def render(summary: dict[str, Any]) -> str:
         f"{restart.get('lost_steps')} steps redone",
         "  recovery (RTO)   : " + ", ".join(f"{p[:-2]} {_seconds(restart.get(p))}" for p in RTO_PARTS),
         "    relaunch parts : " + ", ".join(f"{p[:-2]} {_seconds(restart.get(p))}" for p in RELAUNCH_PARTS),
+        "    startup parts  : " + ", ".join(f"{p[:-2]} {_seconds(restart[p])}" for _, p in STARTUP_PARTS if p in restart),
         f"    total          : {_seconds(restart.get('rto_s'))}",
         f"  final losses     : {'identical, bit for bit, to' if summary['losses_match_bitwise'] else 'DIFFERENT from'} "
         f"the uninterrupted run ({summary['steps_compared']} steps)",

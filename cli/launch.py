@@ -88,7 +88,7 @@ def launch(
     time_limit: Optional[str] = _opt("--time-limit", "Wall-clock budget (e.g. 3h50m → 13800): stop, saved, before it (exit 3).", SUPERVISION),
     stop_signal: Optional[str] = _opt("--stop-signal", "Extra signal meaning 'save and stop' (e.g. SIGUSR1 for Slurm --signal).", SUPERVISION),
     max_stalled_restarts: Optional[int] = _opt("--max-stalled-restarts", "Restarts in a row without a new snapshot before giving up (exit 4). [default: 2]", SUPERVISION),
-    restart_backoff: Optional[float] = _opt("--restart-backoff", "Seconds before the first restart; doubles each time. [default: 1]", SUPERVISION),
+    restart_backoff: Optional[float] = _opt("--restart-backoff", "Seconds before the second restart (none before the first); doubles each time. [default: 1]", SUPERVISION),
     rto_budget: Optional[str] = _opt("--rto-budget", "Estimate the RTO after the first snapshot; warn when it exceeds this (e.g. 2m). Caps --save-every auto.", RECOVERY, metavar="DURATION"),
     strict_budget: Optional[bool] = _opt("--strict-budget", "With --rto-budget: stop the run (saved, exit 1) when the estimate is over it.", RECOVERY),
     require_exact_resume: Optional[bool] = _opt("--require-exact-resume", "End the run (exit 4) when a resume's replayed losses diverge from the originals.", RECOVERY),

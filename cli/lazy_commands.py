@@ -26,7 +26,7 @@ class LazyCommand:
     module: str
     function: str
     summary: str  # the first paragraph of the function's docstring (tests/test_lazy_cli.py keeps them equal)
-    context: str | None = None  # name of a context-settings dict in the module
+    context: str | None = None  # "module:NAME" of a context-settings dict (click's parsing of SCRIPT ARGS)
     metavar: str = "[OPTIONS]"  # options_metavar, where the default does not describe the arguments
 
 
@@ -62,15 +62,19 @@ class LazyCommands(MutableMapping[str, Command]):
         return make_default_short_help(self.table[name].summary, limit)
 
     def build(self, name: str, entry: LazyCommand) -> Command:
-        module = importlib.import_module(entry.module)
         info = CommandInfo(
             name=name,
-            callback=getattr(module, entry.function),
+            callback=self.attribute(f"{entry.module}:{entry.function}"),
             epilog=self.epilog,
-            context_settings=getattr(module, entry.context) if entry.context else None,
+            context_settings=self.attribute(entry.context) if entry.context else None,
             options_metavar=entry.metavar,
         )
         return typer.main.get_command_from_info(info, pretty_exceptions_short=True, rich_markup_mode=None)
+
+    @staticmethod
+    def attribute(reference: str) -> Any:
+        module, name = reference.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
 class LazyGroup(TyperGroup):
@@ -81,6 +85,9 @@ class LazyGroup(TyperGroup):
     def __init__(self, *, commands: Any = None, **attrs: Any) -> None:
         super().__init__(**attrs)
         self.commands = LazyCommands(dict(self.table), dict(commands or {}), self.epilog)
+
+    def list_commands(self, ctx: Context) -> list[str]:
+        return list(self.commands)  # typer's own walks items(), which would import every module
 
     def format_commands(self, ctx: Context, formatter: HelpFormatter) -> None:
         names = [name for name in self.list_commands(ctx) if not self.hidden_command(name)]

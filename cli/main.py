@@ -1,10 +1,11 @@
 """The ``ckptrun`` command line: the typer app, global options, and the command list.
 
 Each command lives in its own module as a plain function decorated with
-:func:`ckptrun.cli.errors.command`; registering one is a single
-``app.command()(fn)`` line at the bottom of this file. Import hygiene matters
-here: ``ckptrun --help`` and ``ckptrun verify`` must not import torch, so
-command modules import heavy things inside the function that needs them.
+:func:`ckptrun.cli.errors.command`; registering one is a single entry of
+:class:`Commands`, which imports the module only when that command runs
+(``ckptrun --help`` imports none of them). Import hygiene matters here too:
+``ckptrun verify`` must not import torch, so command modules import heavy
+things inside the function that needs them.
 """
 
 from __future__ import annotations
@@ -13,21 +14,49 @@ import typer
 from typer._click.exceptions import ClickException, NoSuchOption  # typer vendors click
 
 from ckptrun.cli import errors
-from ckptrun.cli.estimate_rto import estimate_rto
-from ckptrun.cli.demo import demo
-from ckptrun.cli.launch import LAUNCH_CONTEXT, RESUME_CONTEXT, launch, resume, stop
-from ckptrun.cli.precision_report import precision_report
-from ckptrun.cli.preflight import preflight
-from ckptrun.cli.verify import verify
-from ckptrun.cli.status import status
-from ckptrun.cli.init import init
-from ckptrun.cli.export import export
-from ckptrun.cli.report import report
+from ckptrun.cli.lazy_commands import LazyCommand, LazyGroup
 
 EPILOG = "\b\nExit codes (the same for every command):\n" + errors.exit_codes_help()
+SCRIPT_USAGE = "[OPTIONS] [SCRIPT [ARGS]...]"
+
+
+class Commands(LazyGroup):
+    """The command list: name -> module, function, help row; a module is imported only when its command runs."""
+
+    table = {
+        "launch": LazyCommand("ckptrun.cli.launch", "launch", "Launch SCRIPT [ARGS...] with torchrun under supervision: "
+                              "restart from the newest verified snapshot on a crash or hang.",
+                              context="ckptrun.cli.launch:LAUNCH_CONTEXT", metavar=SCRIPT_USAGE),
+        "resume": LazyCommand("ckptrun.cli.launch", "resume", "Continue a stopped, failed or preempted run from its "
+                              "newest verified snapshot, with its run.json spec.",
+                              context="ckptrun.cli.launch:RESUME_CONTEXT", metavar="[OPTIONS] [-- SCRIPT_ARGS...]"),
+        "stop": LazyCommand("ckptrun.cli.launch", "stop", "Ask a running launch to save a snapshot at the next step "
+                            "boundary and exit 3 (resumable)."),
+        "preflight": LazyCommand("ckptrun.cli.preflight", "preflight", "Before a long run: prove SCRIPT learns, "
+                                 "resumes exactly and fits its budgets, with launch's options.",
+                                 context="ckptrun.cli.launch:LAUNCH_CONTEXT", metavar=SCRIPT_USAGE),
+        "demo": LazyCommand("ckptrun.cli.demo", "demo", "Run the default job twice (uninterrupted, then with a crash) "
+                            "and show recovery time and exactness."),
+        "verify": LazyCommand("ckptrun.cli.verify", "verify", "Check every snapshot's bytes against its manifest "
+                              "(exit 1 if any is corrupt or incomplete)."),
+        "estimate-rto": LazyCommand("ckptrun.cli.estimate_rto", "estimate_rto", "Estimate the recovery time (RTO) of "
+                                    "a run and the cost of a failure, each part with its source."),
+        "precision-report": LazyCommand("ckptrun.cli.precision_report", "precision_report", "Show the input, output "
+                                        "and accumulation precision per operator class, observed for one real step."),
+        "status": LazyCommand("ckptrun.cli.status", "status", "Show a run: attempt and restarts, each rank's "
+                              "heartbeat, the last snapshot, progress, ETA and RTO."),
+        "init": LazyCommand("ckptrun.cli.init", "init", "Copy a training script template and a commented "
+                            "ckptrun.toml into DIR, then print the next commands."),
+        "export": LazyCommand("ckptrun.cli.export", "export", "Write the model (or EMA) weights of a verified "
+                              "snapshot as a plain state_dict file (.pt or .safetensors)."),
+        "report": LazyCommand("ckptrun.cli.report", "report", "Draw the run (loss with failures, restarts and "
+                              "replays; throughput; RTO per restart) as PNG + HTML."),
+    }
+
 
 app = typer.Typer(
     name="ckptrun",
+    cls=Commands,
     epilog=EPILOG,
     no_args_is_help=True,
     add_completion=True,
@@ -54,22 +83,6 @@ def root(
 ) -> None:
     """Launch PyTorch training with verified atomic snapshots, restart it on failure, measure recovery."""
     errors.set_debug(debug)
-
-
-# --- commands: one line each (each module keeps heavy imports inside its command) ---
-
-app.command(epilog=EPILOG, context_settings=LAUNCH_CONTEXT, options_metavar="[OPTIONS] [SCRIPT [ARGS]...]")(launch)
-app.command(epilog=EPILOG, context_settings=RESUME_CONTEXT, options_metavar="[OPTIONS] [-- SCRIPT_ARGS...]")(resume)
-app.command(epilog=EPILOG)(stop)
-app.command(epilog=EPILOG, context_settings=LAUNCH_CONTEXT, options_metavar="[OPTIONS] [SCRIPT [ARGS]...]")(preflight)
-app.command(epilog=EPILOG)(demo)
-app.command(epilog=EPILOG)(verify)
-app.command(epilog=EPILOG)(estimate_rto)
-app.command("precision-report", epilog=EPILOG)(precision_report)
-app.command(epilog=EPILOG)(status)
-app.command(epilog=EPILOG)(init)
-app.command(epilog=EPILOG)(export)
-app.command(epilog=EPILOG)(report)
 
 
 def main() -> None:

@@ -121,8 +121,11 @@ class RestartPolicy:
     backoff_cap: float = 60.0
 
     def delay(self, restart: int) -> float:
-        """Exponential back-off before restart number ``restart`` (1-based), capped."""
-        return min(self.backoff_cap, self.backoff * 2 ** max(0, restart - 1))
+        """Back-off before restart number ``restart`` (1-based): none before the first (one failure is the
+        common case, and every second of it is RTO), ``backoff`` before the second, doubling, capped."""
+        if restart <= 1:
+            return 0.0
+        return min(self.backoff_cap, self.backoff * 2 ** (restart - 2))
 
     def verdict(self, facts: RestartFacts) -> Restart | GiveUp:
         if facts.fatal:

@@ -101,8 +101,8 @@ def resumes(run_dir: Path, deterministic: bool) -> Check:
     precision = next((r.get("precision") for r in records.read_metrics(run_dir) if r.get("precision")), None)
     verdict = resume_verdict(original, replayed, deterministic, precision)
     lost = _states_lost(read_digests(run_dir), step)
-    figure = (f"{verdict.replayed_steps} steps replayed from step {step}: "
-              + ("bitwise equal" if verdict.verdict == "exact" else f"max rel diff {verdict.max_rel_diff:.3g}"))
+    same = "bitwise equal" if verdict.verdict == "exact" else f"max rel diff {verdict.max_rel_diff or 0:.3g}"
+    figure = f"{verdict.replayed_steps} steps replayed from step {step}: {same}"
     facts = {"restored_step": step, "verdict": verdict.verdict, "max_rel_diff": verdict.max_rel_diff,
              "tolerance": verdict.tolerance, "states_lost": lost}
     if lost:
@@ -115,8 +115,8 @@ def resumes(run_dir: Path, deterministic: bool) -> Check:
     if verdict.verdict == DIVERGED:
         return Check("resumes", FAIL, figure, "the replayed losses differ although every tracked state came back: "
                      "some state is not tracked (a module, a global, a data source outside ckr.DataLoader)", facts)
-    how = "bitwise (deterministic)" if verdict.tolerance is None else f"within {verdict.tolerance:g} ({precision})"
-    return Check("resumes", PASS, figure, f"kill, relaunch, restore: exact {how}; every state came back", facts)
+    how = "exact bitwise (deterministic)" if verdict.tolerance is None else f"within {verdict.tolerance:g} ({precision})"
+    return Check("resumes", PASS, figure, f"kill, relaunch, restore: {how}; every state came back", facts)
 
 
 def _states_lost(digests: dict[int, dict[int, dict[str, str]]], restored: int) -> dict[str, Any] | None:

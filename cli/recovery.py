@@ -179,8 +179,21 @@ def budget_hint(fields: dict[str, Any], strict: bool) -> str:
     return f"{cut}; or raise --rto-budget (now {fmt(fields.get('budget_s'))}){tail}"
 
 
+# start-up, split at the worker's milestones (ckptrun.runtime.timeline): each part ends at its milestone
+STARTUP_PARTS = (("process", "spawn_s"),  # torchrun's own start, rendezvous, spawning the worker
+                 ("bootstrap", "interpreter_s"),  # the worker's Python and the bootstrap's imports
+                 ("torch_imported", "import_torch_s"),
+                 ("init", "script_imports_s"),  # the rest of the script's imports, up to init()
+                 ("process_group", "process_group_s"),
+                 ("restore_start", "until_restore_s"))  # the rest of init(), building the model and optimizer
+
+
 def relaunch_parts(launched: float, first_step: float | None, restored: list[dict[str, Any]]) -> dict[str, float | None]:
-    """relaunch_to_first_step_s and its parts: start-up (processes, imports, process group), restore, first step."""
+    """relaunch_to_first_step_s and its parts: start-up (processes, imports, process group), restore, first step.
+
+    ``startup_s`` is split into :data:`STARTUP_PARTS` where rank 0 noted its milestones; a milestone it
+    did not pass (torch imported before the bootstrap ran, no process group) folds into the next part.
+    """
     parts: dict[str, float | None] = {"relaunch_to_first_step_s": (first_step - launched) if first_step else None}
     if restored:
         event = restored[-1]
@@ -188,4 +201,9 @@ def relaunch_parts(launched: float, first_step: float | None, restored: list[dic
         restore_start = float(event["time"]) - restore_s
         parts.update(startup_s=restore_start - launched, restore_s=restore_s,
                      first_step_s=(first_step - float(event["time"])) if first_step else None)
+        marks = {**(event.get("startup") or {}), "restore_start": restore_start}
+        previous = launched
+        for milestone, part in STARTUP_PARTS:
+            if isinstance(marks.get(milestone), (int, float)) and previous <= marks[milestone] <= restore_start:
+                parts[part], previous = marks[milestone] - previous, marks[milestone]
     return parts

@@ -98,11 +98,14 @@ def teardown(target: Target, noop: measure.NoopTimes | None) -> Component:
 
 
 def backoff(target: Target) -> Component:
+    from ckptrun.cli.policy import RestartPolicy
+
     first, source, where = target.setting("restart_backoff")
     cap, _, _ = target.setting("restart_backoff_cap")
-    return Component("backoff", float(first), source,
-                     f"the wait before the first restart ({where}); it doubles per restart up to {fmt(cap)}",
-                     {"cap_s": float(cap)})
+    policy = RestartPolicy(backoff=float(first), backoff_cap=float(cap))
+    return Component("backoff", policy.delay(1), source,
+                     f"none before the first restart; {fmt(first)} before the second ({where}), doubling per restart "
+                     f"up to {fmt(cap)}", {"cap_s": float(cap)})
 
 
 # --- verify ---------------------------------------------------------------------------

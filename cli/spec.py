@@ -88,7 +88,7 @@ class LaunchSpec(BaseModel):
     # --- supervision ---
     max_restarts: int = Field(3, ge=0, description="Restarts after failures before giving up (exit 1).")
     max_stalled_restarts: int = Field(2, ge=1, description="Restarts in a row that bring no new snapshot before giving up (exit 4).")
-    restart_backoff: float = Field(1.0, ge=0, description="Seconds before the first restart; doubles per restart.")
+    restart_backoff: float = Field(1.0, ge=0, description="Seconds before the second restart (none before the first); doubles per restart.")
     restart_backoff_cap: float = Field(60.0, ge=0, description="Longest wait between restarts.")
     heartbeat_timeout: float = Field(300.0, gt=0, description="A training rank silent this long is hung.")
     startup_timeout: float = Field(600.0, gt=0, description="Allowance for start-up and restore (phases init/restore).")

@@ -88,7 +88,7 @@ class World(Protocol):
     def fatal_records(self) -> list[dict[str, Any]]: ...
     def attempt_events(self, name: str) -> list[dict[str, Any]]: ...
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]: ...
-    def teardown(self) -> float: ...
+    def teardown(self, failed: bool = False) -> float: ...
     def newest_snapshot(self) -> Snapshot | None: ...
     def quarantine(self, snapshot: Path, status: str, reason: str) -> Path: ...
     def abandon_after(self, snapshot: Path | None) -> list[Path]: ...
@@ -272,7 +272,7 @@ class Supervisor:
         if obs.agent_exit is not None:
             return False
         self.world.say("the resume diverged: killing the ranks without saving")
-        watch.teardown_s = self.world.teardown()
+        watch.teardown_s = self.world.teardown(failed=True)
         watch.state, watch.forced = State.STOPPED, True
         return True
 
@@ -311,7 +311,7 @@ class Supervisor:
     def _force_stop(self, watch: AttemptWatch, obs: Observation) -> None:
         why = "a second signal" if self.stop.forced else f"the grace period ({self.timeouts.grace:g}s) ran out"
         self.world.say(f"{why}: killing the ranks")
-        watch.teardown_s = self.world.teardown()
+        watch.teardown_s = self.world.teardown(failed=True)
         watch.state, watch.forced = State.STOPPED, True
         self.world.event("stop_forced", attempt=watch.attempt, reason=why)
 
@@ -328,7 +328,7 @@ class Supervisor:
             watch.state = State.FAILED
             watch.detected_at = watch.gone_at if watch.gone_at is not None else obs.time
             watch.failure = self._crash_facts(watch, obs)
-        watch.teardown_s = self.world.teardown()
+        watch.teardown_s = self.world.teardown(failed=watch.state is State.FAILED)
         if watch.failure is not None:
             watch.teardown_s = self.world.now() - (watch.detected_at or obs.time)
             self._report_failure(watch)
@@ -358,7 +358,7 @@ class Supervisor:
                          "step": max(steps, default=None), "phase": beat.phase if beat else "start",
                          "last_sign_of_life": beat.time if beat else watch.launched, "plain_script": self.plain,
                          "waiting_on_peers": {str(r): waiting_on_peers(stacks.get(r, "")) for r in stale}}
-        self.world.teardown()
+        self.world.teardown(failed=True)
         watch.teardown_s = self.world.now() - obs.time
         self._report_failure(watch)
 

@@ -227,8 +227,8 @@ class LocalWorld:
                 break
         return {r: _read_from(logs[r], sizes[r]) for r in ranks}
 
-    def teardown(self) -> float:
-        seconds = self._process().teardown(self.spec.grace_period, self.run_id)
+    def teardown(self, failed: bool = False) -> float:
+        seconds = self._process().teardown(self.spec.grace_period, self.run_id, failed)
         self._link_rank_logs()
         self._stop_rank_output()
         return seconds

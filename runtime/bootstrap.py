@@ -33,7 +33,7 @@ import time
 import traceback
 from types import CodeType
 
-from ckptrun.runtime import step_hook
+from ckptrun.runtime import step_hook, timeline
 from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.liveness import enable_stack_dumps, watch_supervisor
 
@@ -130,6 +130,8 @@ def _run_module(name: str, args: list[str]) -> None:
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         sys.exit("usage: python -m ckptrun.runtime.bootstrap (SCRIPT | -m MODULE) [ARGS...]")
+    timeline.mark("bootstrap")
+    sys.meta_path.insert(0, step_hook.AfterImport("torch", lambda _: timeline.mark("torch_imported")))
     faulthandler.enable(all_threads=True)
     enable_stack_dumps()
     _watch_supervisor()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ckptrun.runtime import collectives, hparams, records, reshard, rng, snapshot, stepper, store, train_state
+from ckptrun.runtime import collectives, hparams, records, reshard, rng, snapshot, stepper, store, timeline, train_state
 from ckptrun.runtime.anomaly import AnomalyDetector
 from ckptrun.runtime.data import DataLoader
 from ckptrun.runtime.env import RunEnv
@@ -164,6 +164,7 @@ class Run(LoopShapes):
                                   attempt=self.env.attempt, snapshot=str(chosen), step=self.step,
                                   seconds=time.monotonic() - started, bytes=loaded.manifest.total_bytes,
                                   since_process_start=time.time() - _process_start_time(),
+                                  startup={"process": _process_start_time(), **timeline.MARKS},
                                   verified_by="supervisor" if self.env.resume_from else "runtime")
             if self.env.exit_after_restore:
                 self._exit_quietly(0)

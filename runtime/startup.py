@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ckptrun.runtime import collectives, records, rng, store
+from ckptrun.runtime import collectives, records, rng, store, timeline
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.liveness import enable_stack_dumps, watch_supervisor
 from ckptrun.runtime.precision import Policy, PrecisionUnavailable, ScalerConfig, resolve
@@ -29,6 +29,7 @@ def init(config: dict[str, Any] | None = None, precision: str | None = None) -> 
     ``precision`` is what the script asks for; when the launcher set one too and
     they differ, the worker stops with an error naming both (one source of truth).
     """
+    timeline.mark("init")
     env = RunEnv.from_env()
     if "run_dir" not in env.model_fields_set:
         env = env.model_copy(update={"run_dir": Path("runs") / Path(sys.argv[0]).stem})
@@ -39,6 +40,7 @@ def init(config: dict[str, Any] | None = None, precision: str | None = None) -> 
         env = env.model_copy(update={"precision": precision})
     if "RANK" in os.environ and not collectives.active():
         collectives.start(collectives.worker_device())
+        timeline.mark("process_group")
     try:
         decision = resolve(env.precision)
     except PrecisionUnavailable as exc:

@@ -42,6 +42,7 @@ class ScriptedWorld:
     logged: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     said: list[str] = field(default_factory=list)
     teardowns: int = 0
+    failed_teardowns: int = 0  # teardowns of an attempt that had already failed (the short SIGKILL grace)
     dumped: list[list[int]] = field(default_factory=list)
     stop_requests: int = 0
     terminated: int = 0  # terminate_ranks() calls (a plain script's stop)
@@ -83,8 +84,9 @@ class ScriptedWorld:
         self.dumped.append(ranks)
         return {r: STACK_IN_SCRIPT if r == 0 else STACK_IN_TORCH for r in ranks}
 
-    def teardown(self) -> float:
+    def teardown(self, failed: bool = False) -> float:
         self.teardowns += 1
+        self.failed_teardowns += failed
         return 0.5
 
     def newest_snapshot(self) -> Snapshot | None:

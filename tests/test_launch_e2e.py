@@ -16,6 +16,7 @@ import pytest
 from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_losses_equal, assert_no_processes, ckptrun, events,
                             last_step, one, run_id, run_processes, start, tail, wait_for)
 
+from ckptrun.cli.recovery import STARTUP_PARTS
 from ckptrun.runtime.records import final_losses, read_events
 from ckptrun.runtime.verify import verify_dir
 
@@ -90,8 +91,9 @@ def test_recovers_exactly(scenario: Scenario, reference: dict[int, float], tmp_p
         # the newest snapshot published before the failure (saves run in the background: not always the last due)
         assert restart["snapshot_step"] == newest_published_before(run_dir, failure["time"]) < failure["step"]
         assert restart["lost_steps"] == failure["step"] - restart["snapshot_step"]
-        for part in ("detect_s", "teardown_s", "verify_s", "relaunch_to_first_step_s", "restore_s"):
-            assert restart[part] is not None and restart[part] >= 0, (part, restart)
+        startup = [part for _, part in STARTUP_PARTS]  # each worker milestone was noted, in order
+        for part in ("detect_s", "teardown_s", "verify_s", "relaunch_to_first_step_s", "restore_s", *startup):
+            assert restart.get(part) is not None and restart[part] >= 0, (part, restart)
     assert len(events(run_dir, "attempt_start")) == len(restarts) + 1
     assert_losses_equal(run_dir, reference)
     reports = verify_dir(run_dir / "checkpoints")

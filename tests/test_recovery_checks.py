@@ -190,7 +190,8 @@ def crashed_then_resumed(resumed_losses: dict[int, float]) -> ScriptedWorld:
 def test_restart_event_records_rto_measured_estimated_budget_and_an_exact_resume() -> None:
     world = crashed_then_resumed(LOSSES)
     outcome = supervisor(world, recovery=RecoveryOptions(rto_budget_s=30.0)).supervise()
-    assert outcome.code == 0 and world.estimates_requested == [(1, 1.0)]  # once, at attempt 1's first snapshot
+    # once, at attempt 1's first snapshot; the next restart is the first: no back-off
+    assert outcome.code == 0 and world.estimates_requested == [(1, 0.0)]
     [logged] = world.events("rto_estimate")
     assert logged["attempt"] == 1 and logged["rto_s"] == 70.0
     assert sum("warning: RTO estimate 70.0 s" in line for line in world.said) == 1, world.said

@@ -11,6 +11,7 @@ from supervisor_helpers import (STACK_IN_SCRIPT, STACK_IN_TORCH, T0, TIMEOUTS, S
 
 from ckptrun.cli.failures import RankFailure, root_cause
 from ckptrun.cli.policy import GiveUp, Restart, RestartFacts, RestartPolicy, pick_suspect, stale_ranks, waiting_on_peers
+from ckptrun.cli.recovery import STARTUP_PARTS, relaunch_parts
 from ckptrun.cli.supervisor import Observation, RankView, Snapshot, StopControl
 
 SNAP15 = Snapshot(Path("/ckpt/step-000000015"), 15, verify_s=0.1)
@@ -20,7 +21,7 @@ def test_success_first_attempt() -> None:
     world = ScriptedWorld({1: [training(T0 + 3, 1), training(T0 + 4, 30, agent_exit=0)]})
     outcome = supervisor(world).supervise()
     assert outcome.code == 0 and outcome.restarts == 0
-    assert world.launches == [(1, None)] and world.teardowns == 1
+    assert world.launches == [(1, None)] and world.teardowns == 1 and world.failed_teardowns == 0
 
 
 def test_crash_restarts_from_verified_snapshot_and_logs_rto() -> None:
@@ -44,14 +45,15 @@ def test_crash_restarts_from_verified_snapshot_and_logs_rto() -> None:
     assert failure["detected_at"] == T0 + 5 and failure["step"] == 17
     [restart] = world.events("restart")
     assert restart["snapshot_step"] == 15 and restart["lost_steps"] == 2 and restart["verify_s"] == 0.1
-    assert restart["backoff_s"] == 1.0 and restart["detect_s"] == pytest.approx(0.1)
+    assert restart["backoff_s"] == 0.0 and restart["detect_s"] == pytest.approx(0.1)
+    assert world.teardowns == 2 and world.failed_teardowns == 1  # the crashed attempt's: the short SIGKILL grace
     assert restart["relaunch_to_first_step_s"] == pytest.approx(T0 + 12.8 - restart_launch_time(world))
     assert restart["restore_s"] == 0.3 and restart["rto_s"] is not None
 
 
 def restart_launch_time(world: ScriptedWorld) -> float:
-    # attempt 2 was launched right after teardown (T0+5.5) and the 1 s back-off
-    return T0 + 5.5 + 1.0
+    # attempt 2 was launched right after teardown (T0+5.5): no back-off before the first restart
+    return T0 + 5.5
 
 
 def test_hang_dumps_stacks_names_suspect_then_restarts() -> None:
@@ -65,6 +67,7 @@ def test_hang_dumps_stacks_names_suspect_then_restarts() -> None:
     [failure] = world.events("failure")
     assert failure["cause"] == "hang" and failure["stale_ranks"] == [0, 1] and failure["suspect"] == 0
     assert failure["waiting_on_peers"] == {"0": False, "1": True}
+    assert world.failed_teardowns == 1
 
 
 def test_save_phase_gets_its_own_allowance() -> None:
@@ -208,8 +211,8 @@ def test_injected_exit_code_3_without_a_stop_request_is_a_crash() -> None:
     assert supervisor(world).supervise().code == 0 and len(world.launches) == 2
 
 
-@pytest.mark.parametrize("restarts, delay", [(0, 1.0), (1, 2.0), (2, 4.0), (5, 4.0)])
-def test_backoff_doubles_and_is_capped(restarts: int, delay: float) -> None:
+@pytest.mark.parametrize("restarts, delay", [(0, 0.0), (1, 1.0), (2, 2.0), (3, 4.0), (6, 4.0)])
+def test_no_backoff_before_the_first_restart_then_doubling_and_capped(restarts: int, delay: float) -> None:
     facts = RestartFacts(False, True, False, restarts=restarts, stalled_restarts=0)
     assert RestartPolicy(max_restarts=10, backoff=1.0, backoff_cap=4.0).verdict(facts) == Restart(delay)
 
@@ -240,3 +243,14 @@ def test_suspect_is_the_rank_not_waiting_in_torch() -> None:
     assert waiting_on_peers(STACK_IN_SCRIPT) is False and waiting_on_peers(STACK_IN_TORCH) is True
     assert pick_suspect([0, 1], beats, {0: STACK_IN_SCRIPT, 1: STACK_IN_TORCH}) == 0
     assert pick_suspect([0, 1], beats, {}) == 1  # no stacks: the one silent longest at the same step
+
+
+def test_relaunch_startup_is_split_at_the_workers_milestones() -> None:
+    marks = {"process": 101.0, "bootstrap": 101.5, "torch_imported": 103.0, "init": 104.0, "process_group": 105.0}
+    parts = relaunch_parts(100.0, 110.0, [{"time": 109.0, "seconds": 1.0, "startup": marks}])
+    assert parts == pytest.approx({"relaunch_to_first_step_s": 10.0, "startup_s": 8.0, "restore_s": 1.0, "first_step_s": 1.0,
+                                   "spawn_s": 1.0, "interpreter_s": 0.5, "import_torch_s": 1.5, "script_imports_s": 1.0,
+                                   "process_group_s": 1.0, "until_restore_s": 3.0})
+    parts = relaunch_parts(100.0, 110.0, [{"time": 109.0, "seconds": 1.0, "startup": {**marks, "torch_imported": None}}])
+    assert "import_torch_s" not in parts and parts["script_imports_s"] == pytest.approx(2.5)  # folded into the next part
+    assert sum(parts[p] for _, p in STARTUP_PARTS if p in parts) == pytest.approx(parts["startup_s"])
