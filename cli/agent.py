@@ -8,12 +8,15 @@ The supervisor reads that file instead of scraping torchrun's log. Like every
 rank, it watches the supervisor: when that is gone (a SIGKILL) it gives its
 ranks a few seconds to leave on their own, kills those left (they run in
 sessions of their own) and exits, so nothing of the run is
-left behind. This is a separate process (it imports torch); the CLI never
-imports it.
+left behind. It exits with ``os._exit`` once torchrun returns: a restart
+waits for this process, and finalising torch is slow. This is a separate
+process (it imports torch); the CLI never imports it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -71,5 +74,14 @@ def _end_ranks() -> None:
     kill_all(wait_gone(psutil.Process().children(recursive=True), RANKS_EXIT_S))
 
 
+def leave(code: int) -> None:
+    """Exit without finalising the interpreter: torchrun has stopped its workers and its store by now, and
+    unloading torch took most of a crashed attempt's teardown (a restart waits for this process to end)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -45,8 +45,13 @@ class LazyCommands(MutableMapping[str, Command]):
         self.built[name] = command
 
     def __delitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
         self.table.pop(name, None)
-        del self.built[name]
+        self.built.pop(name, None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.table or name in self.built  # Mapping's own would build the command
 
     def __iter__(self) -> Iterator[str]:
         yield from self.table

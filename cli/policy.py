@@ -97,6 +97,7 @@ class RestartFacts:
     restarts: int  # restarts done so far
     stalled_restarts: int  # restarts in a row that brought no new snapshot
     fatal: list[dict[str, Any]] = field(default_factory=list)  # workers' "a restart cannot help" records
+    snapshot_set_aside: bool = False  # the snapshot the attempt was given did not load and was quarantined
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ class RestartPolicy:
                           "fix what the message says, then `ckptrun resume --latest` or launch again")
         if facts.load_failure:
             return GiveUp(EXIT_UNRECOVERABLE, "the script failed to load", "fix the script and launch again")
-        if facts.first_attempt and not facts.reached_first_step:  # any script: a restart would fail the same way
+        if facts.first_attempt and not facts.reached_first_step and not facts.snapshot_set_aside:
+            # any script: a restart would fail the same way (unless it now starts from another snapshot)
             return GiveUp(EXIT_UNRECOVERABLE, "the first attempt failed before its first step",
                           "a restart would fail the same way; fix the cause and launch again")
         if facts.stalled_restarts >= self.max_stalled_restarts:

@@ -126,6 +126,14 @@ def scratch_dir(spec: LaunchSpec) -> Path:
     return root
 
 
+def _ask_stop(run_dir: Path) -> None:
+    """The phase's time is up: ask its ranks to stop (nothing to ask if the run never started)."""
+    try:
+        RunPaths(run_dir).stop_file.touch()
+    except OSError:
+        pass
+
+
 def run_phase(spec: LaunchSpec, root: Path, mode: str, steps: int, **updates: Any) -> tuple[Path, int, str]:
     """One supervised run of the script in ``root/mode``; its run dir, exit code and last message."""
     run_dir = root / mode
@@ -137,13 +145,16 @@ def run_phase(spec: LaunchSpec, root: Path, mode: str, steps: int, **updates: An
     from ckptrun.cli.runner import start_run
 
     print(f"ckptrun preflight: {mode} run in {run_dir}", file=sys.stderr, flush=True)
-    timer = threading.Timer(PHASE_SECONDS[mode], lambda: RunPaths(run_dir).stop_file.touch())
+    timer = threading.Timer(PHASE_SECONDS[mode], _ask_stop, (run_dir,))
     timer.start()
     try:
         with open(root / f"{mode}.out", "w") as out, contextlib.redirect_stdout(out):
             return run_dir, start_run(phase, argv=["ckptrun", "preflight", mode]), ""
     except CkptrunError as exc:
         if exc.exit_code == EXIT_REFUSED:  # refused before anything ran (no such script, fp8): bad input, exit 2
+            shutil.rmtree(root, ignore_errors=True)  # and leave nothing behind
+            with contextlib.suppress(OSError):
+                root.parent.rmdir()  # runs/, if preflight made it
             raise
         return run_dir, exc.exit_code, exc.message
     finally:

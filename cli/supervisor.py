@@ -183,7 +183,8 @@ class Supervisor:
                 return self._done(watch)
             if watch.state is State.STOPPED:
                 return self._stopped(watch)
-            verdict = self.policy.verdict(self._facts(watch))
+            set_aside = self._quarantine_unloadable(watch)  # before the verdict: a fallback exists now
+            verdict = self.policy.verdict(self._facts(watch, set_aside))
             if isinstance(verdict, GiveUp):
                 return self._give_up(watch, verdict)
             snapshot = self._prepare_restart(watch, verdict)
@@ -372,7 +373,7 @@ class Supervisor:
 
     # --- after an attempt ---------------------------------------------------------
 
-    def _facts(self, watch: AttemptWatch) -> RestartFacts:
+    def _facts(self, watch: AttemptWatch, set_aside: bool = False) -> RestartFacts:
         new_snapshot = bool(self.world.attempt_events("snapshot_saved"))
         self.stalled_restarts = 0 if new_snapshot or not self.runtime_seen else self.stalled_restarts + (
             1 if watch.attempt > self.first_attempt else 0)
@@ -384,12 +385,12 @@ class Supervisor:
             fatal=self.world.fatal_records(),
             restarts=self.restarts,
             stalled_restarts=self.stalled_restarts,
+            snapshot_set_aside=set_aside,
         )
 
     def _prepare_restart(self, watch: AttemptWatch, verdict: Restart) -> Snapshot | None | bool:
         """Count the restart, verify the newest snapshot, back off. False when a stop arrives meanwhile."""
         self.restarts += 1
-        self._quarantine_unloadable(watch)
         snapshot = self.world.newest_snapshot()
         if not self._wait(verdict.delay):
             return False
@@ -408,11 +409,11 @@ class Supervisor:
         self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} {where}")
         return snapshot
 
-    def _quarantine_unloadable(self, watch: AttemptWatch) -> None:
+    def _quarantine_unloadable(self, watch: AttemptWatch) -> bool:
         """The attempt could not load the snapshot it was given (its ranks agreed and said so in a
         ``restore_failed`` event): set it aside, so that the restart uses the next newest verified one."""
         if watch.resume is None:
-            return
+            return False
         for record in self.world.attempt_events("restore_failed"):
             if record.get("snapshot") == str(watch.resume.path):
                 moved = self.world.quarantine(watch.resume.path, "unloadable", str(record.get("reason", "")))
@@ -420,7 +421,8 @@ class Supervisor:
                                  step=watch.resume.step, status="unloadable", reason=record.get("reason"),
                                  moved_to=str(moved))
                 self.world.say(f"snapshot step {watch.resume.step} verifies but does not load: moved to {moved}")
-                return
+                return True
+        return False
 
     def _wait(self, seconds: float) -> bool:
         """Back off, still honouring stop requests (nothing runs meanwhile)."""

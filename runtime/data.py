@@ -125,6 +125,9 @@ class DataLoader:
                 "global_batch": self.global_batch, "samples_seen": self.samples_seen}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if "samples_consumed" not in state:  # a per-rank position from before the global cursor
+            raise ValueError("this snapshot's data position is per rank (written before the global cursor); "
+                             "resume it with the ckptrun version that wrote it")
         self.epoch, self.consumed, self.samples_seen = state["epoch"], state["samples_consumed"], state["samples_seen"]
         self.sampler.seed = state["seed"]  # the position is a place in that seed's permutations
         self.saved_global_batch = state["global_batch"]

@@ -40,4 +40,12 @@ def scale_lr(optimizer: Any, scheduler: Any, factor: float) -> None:
 
 def set_lr(optimizer: Any, scheduler: Any, lr: float) -> None:
     """Make ``lr`` the base rate from now on (see the module docstring)."""
-    scale_lr(optimizer, scheduler, lr / base_lr(optimizer, scheduler))
+    base = base_lr(optimizer, scheduler)
+    if base == 0:
+        raise ValueError("set_lr scales the schedule by new/old base rate, and the old base rate is 0; "
+                         "set param_group['lr'] (and the scheduler's base_lrs) yourself")
+    if scheduler is not None and any(hasattr(scheduler, name) for name in ("max_lrs", "total_steps")) \
+            and "max_lr" in optimizer.param_groups[0]:
+        raise ValueError(f"set_lr cannot rescale {type(scheduler).__name__}: it keeps its own max_lr per group; "
+                         "build the scheduler again with the new max_lr")
+    scale_lr(optimizer, scheduler, lr / base)

@@ -112,6 +112,8 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.
 
 run.track(model=model, optimizer=optimizer, loader=loader)  # the shards and their AdamW moments, as they are
 run.restore()  # from the snapshot this attempt resumes from, if any
+if "lr" in run.changed:  # `ckptrun resume --allow-change lr -- --lr X`: the restored state holds the old rate
+    run.set_lr(args.lr)
 
 
 # ----------------------------------------------------------------------------- train

@@ -91,3 +91,19 @@ def test_resume_refuses_an_unknown_option_and_points_after_the_double_dash(tmp_p
     assert lines[0] == "error: No such option: --lr", result.stderr
     assert lines[1].startswith("hint: ") and "-- --lr" in lines[1], result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_set_lr_refuses_what_it_cannot_rescale():
+    """A zero base rate cannot be scaled, and OneCycleLR keeps its own max_lr: one clear error, not a silent no-op."""
+    import torch
+
+    from ckptrun.runtime.hparams import set_lr
+
+    model = torch.nn.Linear(2, 2)
+    zero = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="old base rate is 0"):
+        set_lr(zero, None, 0.1)
+    one_cycle = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(one_cycle, max_lr=0.1, total_steps=10)
+    with pytest.raises(ValueError, match="OneCycleLR"):
+        set_lr(one_cycle, scheduler, 0.2)

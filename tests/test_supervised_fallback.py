@@ -93,6 +93,21 @@ def test_supervisor_quarantines_the_snapshot_an_attempt_could_not_load_and_relau
     assert world.quarantined == [(step10.path, "unloadable", "not tensors")]
 
 
+def test_a_resume_whose_snapshot_does_not_load_falls_back_instead_of_giving_up() -> None:
+    """`ckptrun resume`: its first attempt fails before a step because the snapshot does not load; that is not
+    "a restart would fail the same way": the snapshot is quarantined and the next attempt starts from step 5."""
+    step10, step5 = Snapshot(Path("/c/step-000000010"), 10), Snapshot(Path("/c/step-000000005"), 5)
+    world = ScriptedWorld(
+        script={4: [Observation(time=T0 + 20, ranks={0: RankView(False)}, agent_exit=1)],
+                5: [training(T0 + 40, 12, agent_exit=0)]},
+        events_by_attempt={4: {"restore_failed": [{"snapshot": str(step10.path), "reason": "not tensors"}]}},
+        snapshots=[step5])
+    outcome = supervisor(world, first_attempt=4, resume=step10).supervise()
+    assert outcome.code == 0
+    assert world.launches == [(4, step10.path), (5, step5.path)]
+    assert world.quarantined == [(step10.path, "unloadable", "not tensors")]
+
+
 def test_a_diverged_resume_abandons_what_its_attempt_saved() -> None:
     """--require-exact-resume: the replayed step 11 differs; whatever attempt 2 published after step 10 is moved
     out of the lineage, and the message says so."""
