@@ -195,6 +195,7 @@ def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume
     timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)
     checks = RecoveryOptions(spec.deterministic, spec.require_exact_resume, spec.rto_budget, spec.strict_budget)
     supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume, checks, faults=spec.inject_fault)
+    supervisor.plain_seen = bool(records.read_events(paths.root, "plain_script"))  # known from an earlier attempt
     paths.stop_file.unlink(missing_ok=True)
     progress.say(f"run {record.run_id} in {paths.root} (logs: {paths.logs})")
     progress.say(f"snapshots (scripts that use ckptrun.runtime): {cadence(spec)}")
