@@ -35,7 +35,9 @@ def test_staging_buffers_are_reused_across_saves(tmp_path):
         return statistics.median(saved[s]["rss_after_stage_bytes"] for s in steps)
 
     growth = level((8, 9, 10)) - level((2, 3, 4))
-    assert growth <= 0.10 * snapshot_bytes, (  # a leak of staging buffers would add a whole snapshot per save
+    # a leak of staging buffers would add a whole snapshot per save (8 over this window); the allocator's arenas
+    # and the writer thread's serialisation buffers move RSS by tens of MiB on a loaded machine
+    assert growth <= 0.5 * snapshot_bytes, (
         f"RSS grew by {growth / 2**20:.1f} MiB over 8 saves of {snapshot_bytes / 2**20:.1f} MiB")
     assert all(e["asynchronous"] for e in saved.values())
     assert saved[1]["staging_allocated_bytes"] > 0
