@@ -128,10 +128,8 @@ def scratch_dir(spec: LaunchSpec) -> Path:
 
 def _ask_stop(run_dir: Path) -> None:
     """The phase's time is up: ask its ranks to stop (nothing to ask if the run never started)."""
-    try:
+    with contextlib.suppress(OSError):
         RunPaths(run_dir).stop_file.touch()
-    except OSError:
-        pass
 
 
 def run_phase(spec: LaunchSpec, root: Path, mode: str, steps: int, **updates: Any) -> tuple[Path, int, str]:
