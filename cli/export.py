@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     import torch
 
 FORMATS = {".pt": "torch", ".pth": "torch", ".safetensors": "safetensors"}
-STRIP = ("_orig_mod.",)  # torch.compile's wrapper prefix: not part of the model's own names
 PATH_HINT = "pass a snapshot directory (step-NNNNNNNNN), a checkpoint directory or a run directory"
 
 
@@ -150,14 +149,15 @@ def plain_state_dict(state: dict[str, Any], averaged: bool) -> dict[str, torch.T
     """Tensors only, with wrapper prefixes removed (an AveragedModel's ``module.``; torch.compile's)."""
     import torch
 
+    from ckptrun.runtime.wrappers import COMPILE_PREFIX  # snapshots of older ckptrun kept torch.compile's prefix
+
     out = {}
     for key, value in state.items():
         if averaged:
             if not key.startswith("module."):
                 continue  # n_averaged: the EMA's own counter, not a weight
             key = key.removeprefix("module.")
-        for prefix in STRIP:
-            key = key.replace(prefix, "")
+        key = key.replace(COMPILE_PREFIX, "")
         if isinstance(value, torch.Tensor):
             out[key] = value
     return out
