@@ -24,32 +24,32 @@ class Commands(LazyGroup):
     """The command list: name -> module, function, help row; a module is imported only when its command runs."""
 
     table = {
-        "launch": LazyCommand("ckptrun.cli.launch", "launch", "Launch SCRIPT [ARGS...] with torchrun under supervision: "
+        "launch": LazyCommand("ckptrun.cli.commands.launch", "launch", "Launch SCRIPT [ARGS...] with torchrun under supervision: "
                               "restart from the newest verified snapshot on a crash or hang.",
-                              context="ckptrun.cli.launch:LAUNCH_CONTEXT", metavar=SCRIPT_USAGE),
-        "resume": LazyCommand("ckptrun.cli.launch", "resume", "Continue a stopped, failed or preempted run from its "
+                              context="ckptrun.cli.commands.launch:LAUNCH_CONTEXT", metavar=SCRIPT_USAGE),
+        "resume": LazyCommand("ckptrun.cli.commands.launch", "resume", "Continue a stopped, failed or preempted run from its "
                               "newest verified snapshot, with its run.json spec.",
-                              context="ckptrun.cli.launch:RESUME_CONTEXT", metavar="[OPTIONS] [-- SCRIPT_ARGS...]"),
-        "stop": LazyCommand("ckptrun.cli.launch", "stop", "Ask a running launch to save a snapshot at the next step "
+                              context="ckptrun.cli.commands.launch:RESUME_CONTEXT", metavar="[OPTIONS] [-- SCRIPT_ARGS...]"),
+        "stop": LazyCommand("ckptrun.cli.commands.launch", "stop", "Ask a running launch to save a snapshot at the next step "
                             "boundary and exit 3 (resumable)."),
-        "preflight": LazyCommand("ckptrun.cli.preflight", "preflight", "Before a long run: prove SCRIPT learns, "
+        "preflight": LazyCommand("ckptrun.cli.commands.preflight", "preflight", "Before a long run: prove SCRIPT learns, "
                                  "resumes exactly and fits its budgets, with launch's options.",
-                                 context="ckptrun.cli.launch:LAUNCH_CONTEXT", metavar=SCRIPT_USAGE),
-        "demo": LazyCommand("ckptrun.cli.demo", "demo", "Run the default job twice (uninterrupted, then with a crash) "
+                                 context="ckptrun.cli.commands.launch:LAUNCH_CONTEXT", metavar=SCRIPT_USAGE),
+        "demo": LazyCommand("ckptrun.cli.commands.demo", "demo", "Run the default job twice (uninterrupted, then with a crash) "
                             "and show recovery time and exactness."),
-        "verify": LazyCommand("ckptrun.cli.verify", "verify", "Check every snapshot's bytes against its manifest "
+        "verify": LazyCommand("ckptrun.cli.commands.verify", "verify", "Check every snapshot's bytes against its manifest "
                               "(exit 1 if any is corrupt or incomplete)."),
-        "estimate-rto": LazyCommand("ckptrun.cli.estimate_rto", "estimate_rto", "Estimate the recovery time (RTO) of "
+        "estimate-rto": LazyCommand("ckptrun.cli.commands.estimate_rto", "estimate_rto", "Estimate the recovery time (RTO) of "
                                     "a run and the cost of a failure, each part with its source."),
-        "precision-report": LazyCommand("ckptrun.cli.precision_report", "precision_report", "Show the input, output "
+        "precision-report": LazyCommand("ckptrun.cli.commands.precision_report", "precision_report", "Show the input, output "
                                         "and accumulation precision per operator class, observed for one real step."),
-        "status": LazyCommand("ckptrun.cli.status", "status", "Show a run: attempt and restarts, each rank's "
+        "status": LazyCommand("ckptrun.cli.commands.status", "status", "Show a run: attempt and restarts, each rank's "
                               "heartbeat, the last snapshot, progress, ETA and RTO."),
-        "init": LazyCommand("ckptrun.cli.init", "init", "Copy a training script template and a commented "
+        "init": LazyCommand("ckptrun.cli.commands.init", "init", "Copy a training script template and a commented "
                             "ckptrun.toml into DIR, then print the next commands."),
-        "export": LazyCommand("ckptrun.cli.export", "export", "Write the model (or EMA) weights of a verified "
+        "export": LazyCommand("ckptrun.cli.commands.export", "export", "Write the model (or EMA) weights of a verified "
                               "snapshot as a plain state_dict file (.pt or .safetensors)."),
-        "report": LazyCommand("ckptrun.cli.report", "report", "Draw the run (loss with failures, restarts and "
+        "report": LazyCommand("ckptrun.cli.commands.report", "report", "Draw the run (loss with failures, restarts and "
                               "replays; throughput; RTO per restart) as PNG + HTML."),
     }
 

@@ -31,7 +31,7 @@ class SaveCadence:
 
 def daly(delta: float, mtbf: float) -> float:
     """Daly's interval √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M (its leading term is
-    Young's √(2δM)). The one home of the formula: ``ckptrun.cli.rto_model`` re-exports it."""
+    Young's √(2δM)). The one home of the formula: ``ckptrun.cli.recovery_budget.rto_model`` re-exports it."""
     if delta >= 2 * mtbf:
         return mtbf
     ratio = delta / (2 * mtbf)

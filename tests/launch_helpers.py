@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import psutil
 
-from ckptrun.cli.attempt import processes_of_run
+from ckptrun.cli.supervision.attempt import processes_of_run
 from ckptrun.runtime.records import final_losses, read_events, read_metrics, same_float
 
 CKPTRUN = [sys.executable, "-m", "ckptrun.cli.main"]

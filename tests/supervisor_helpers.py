@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptrun.cli.failures import RankFailure
-from ckptrun.cli.policy import RestartPolicy, Timeouts
-from ckptrun.cli.recovery import RecoveryOptions
-from ckptrun.cli.supervisor import Observation, RankView, Snapshot, StopControl, Supervisor
+from ckptrun.cli.supervision.failures import RankFailure
+from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot, StopControl
+from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
+from ckptrun.cli.supervision.recovery import RecoveryOptions
+from ckptrun.cli.supervision.supervisor import Supervisor
 from ckptrun.runtime.records import Heartbeat
 
 T0 = 1000.0

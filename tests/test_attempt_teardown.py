@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ckptrun.cli.attempt import RUN_ID_VARIABLE, AttemptProcess, processes_of_run
+from ckptrun.cli.supervision.attempt import RUN_ID_VARIABLE, AttemptProcess, processes_of_run
 
 STUBBORN = """
 import signal, subprocess, sys, time

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptrun.cli.rto_model import cost_per_failure, daly, goodput, young
-from ckptrun.cli.spec import LaunchSpec, RunRecord, write_run_record
+from ckptrun.cli.recovery_budget.rto_model import cost_per_failure, daly, goodput, young
+from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, write_run_record
 from ckptrun.runtime.records import log_event
 from snapshot_factory import flip_byte
 from workers import run_job
@@ -217,7 +217,7 @@ def test_run_dir_probe_at_another_world_size_reshards(with_history: Path) -> Non
 
 
 def test_verify_timing_whole_and_sampled(trained: Path) -> None:
-    from ckptrun.cli.rto_measure import read_bandwidth, resident_fraction, time_verify
+    from ckptrun.cli.recovery_budget.rto_measure import read_bandwidth, resident_fraction, time_verify
     from ckptrun.runtime.manifest import read_manifest
 
     snapshot = trained / "checkpoints" / "step-000000012"

@@ -16,13 +16,13 @@ from launch_helpers import Cleanup, ckptrun, events, last_step, wait_for
 from snapshot_factory import make_snapshot
 from typer._click.exceptions import NoSuchOption
 
-from ckptrun.cli.launch import split_target
+from ckptrun.cli.commands.launch import split_target
 from ckptrun.cli.main import app
 from ckptrun.cli.progress import Progress, Status
-from ckptrun.cli.rank_output import RankOutput, selector
-from ckptrun.cli.rundir import RunPaths
-from ckptrun.cli.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
-from ckptrun.cli.world import LocalWorld
+from ckptrun.cli.supervision.rank_output import RankOutput, selector
+from ckptrun.cli.supervision.rundir import RunPaths
+from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
+from ckptrun.cli.supervision.world import LocalWorld
 from ckptrun.runtime.records import log_event, read_events
 
 TEMPLATES = Path(__file__).parent.parent / "templates"

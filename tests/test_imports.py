@@ -20,7 +20,7 @@ def torch_loaded_after(statement: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    "module", ["ckptrun.cli.main", "ckptrun.cli.verify", *(f"ckptrun.runtime.{name}" for name in CONTRACTS)]
+    "module", ["ckptrun.cli.main", "ckptrun.cli.commands.verify", *(f"ckptrun.runtime.{name}" for name in CONTRACTS)]
 )
 def test_module_imports_without_torch(module: str) -> None:
     assert not torch_loaded_after(f"import {module}"), f"importing {module} pulled in torch"

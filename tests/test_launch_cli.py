@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from snapshot_factory import make_snapshot
 
+from ckptrun.cli.commands.launch import split_target
 from ckptrun.cli.errors import CkptrunError
-from ckptrun.cli.launch import split_target
-from ckptrun.cli.rundir import RunLock, RunPaths, latest_run
-from ckptrun.cli.spec import LaunchSpec, RunRecord, build_spec, write_run_record
+from ckptrun.cli.supervision.rundir import RunLock, RunPaths, latest_run
+from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, write_run_record
 
 CLI = [sys.executable, "-m", "ckptrun.cli.main"]
 
@@ -129,7 +129,8 @@ def test_resume_outside_a_run_exits_2(tmp_path: Path) -> None:
     assert result.returncode == 2 and "no runs under runs/" in result.stderr
 
 
-@pytest.mark.parametrize("module", ["launch", "runner", "world", "supervisor", "attempt", "failures", "demo", "spec"])
+@pytest.mark.parametrize("module", ["commands.launch", "supervision.runner", "supervision.world", "supervision.supervisor",
+                                    "supervision.attempt", "supervision.failures", "commands.demo", "supervision.spec"])
 def test_supervisor_side_imports_without_torch(module: str) -> None:
     code = f"import sys, ckptrun.cli.{module}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

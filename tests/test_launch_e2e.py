@@ -16,7 +16,7 @@ import pytest
 from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_losses_equal, assert_no_processes, ckptrun, events,
                             last_step, one, run_id, run_processes, start, tail, wait_for)
 
-from ckptrun.cli.recovery import STARTUP_PARTS
+from ckptrun.cli.supervision.recovery import STARTUP_PARTS
 from ckptrun.runtime.records import final_losses, read_events
 from ckptrun.runtime.verify import verify_dir
 

@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 from launch_helpers import Cleanup, assert_no_processes, ckptrun, events, one
 
-from ckptrun.cli.rto_model import daly
+from ckptrun.cli.recovery_budget.rto_model import daly
 from ckptrun.runtime.store import current_lineage
 from ckptrun.runtime.verify import newest_verified
 

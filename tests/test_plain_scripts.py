@@ -20,7 +20,7 @@ import pytest
 from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events, one, run_processes, start,
                             tail, wait_for)
 
-from ckptrun.cli.world import STACK_WAIT_S
+from ckptrun.cli.supervision.policy import STACK_WAIT_S
 from ckptrun.runtime.bootstrap import names_runtime
 from ckptrun.runtime.env import variable
 from ckptrun.runtime.records import read_heartbeats, read_metrics

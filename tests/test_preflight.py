@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptrun.cli.preflight import table
-from ckptrun.cli.runner import default_job
+from ckptrun.cli.commands.preflight import table
+from ckptrun.cli.supervision.attempt import default_job
 from launch_helpers import FIXTURES, ckptrun
 
 pytestmark = [pytest.mark.e2e]

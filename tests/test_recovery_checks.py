@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 from supervisor_helpers import T0, ScriptedWorld, supervisor, training
 
-from ckptrun.cli import rto_model
 from ckptrun.cli.errors import CkptrunError
 from ckptrun.cli.progress import Status
-from ckptrun.cli.recovery import RecoveryOptions
-from ckptrun.cli.resume_check import (DIVERGED, EXACT, WITHIN, ResumeWatch, StepLog, flagged, resume_verdict,
-                                      throughput_ratio)
-from ckptrun.cli.rto_history import launch_to_first_step
-from ckptrun.cli.spec import build_spec
-from ckptrun.cli.supervisor import Snapshot
+from ckptrun.cli.recovery_budget import rto_model
+from ckptrun.cli.recovery_budget.rto_history import launch_to_first_step
+from ckptrun.cli.supervision.observation import Snapshot
+from ckptrun.cli.supervision.recovery import RecoveryOptions
+from ckptrun.cli.supervision.resume_check import (DIVERGED, EXACT, WITHIN, ResumeWatch, StepLog, flagged,
+                                                  resume_verdict, throughput_ratio)
+from ckptrun.cli.supervision.spec import build_spec
 from ckptrun.runtime import policies
 from ckptrun.runtime.policies import AutoCadence
 

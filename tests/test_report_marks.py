@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptrun.cli.report import RunFacts, draw_loss, draw_throughput, summarize
+from ckptrun.cli.commands.report import RunFacts, draw_loss, draw_throughput, summarize
 from ckptrun.runtime.records import append_jsonl, log_metrics
 
 figure = pytest.importorskip("matplotlib.figure")

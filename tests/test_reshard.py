@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptrun.cli.resume_check import DIVERGED, WITHIN, ResumeWatch
+from ckptrun.cli.supervision.resume_check import DIVERGED, WITHIN, ResumeWatch
 from ckptrun.runtime.data import ResumableSampler
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import final_losses, read_events, read_fatal

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ckptrun.cli import rto_history as hist
 from ckptrun.cli.durations import DurationError, format_duration, parse_duration
-from ckptrun.cli.rto_model import (
+from ckptrun.cli.recovery_budget import rto_history as hist
+from ckptrun.cli.recovery_budget.rto_model import (
     Component,
     budget_verdict,
     cost_per_failure,

@@ -18,8 +18,8 @@ from launch_helpers import Cleanup, assert_no_processes, ckptrun, events, start,
 from snapshot_factory import make_snapshot, plant_pickle
 from supervisor_helpers import T0, ScriptedWorld, supervisor, training
 
-from ckptrun.cli.recovery import RecoveryOptions
-from ckptrun.cli.supervisor import Observation, RankView, Snapshot
+from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot
+from ckptrun.cli.supervision.recovery import RecoveryOptions
 from ckptrun.runtime import store
 from ckptrun.runtime.records import read_heartbeats
 from ckptrun.runtime.verify import newest_verified
@@ -141,7 +141,7 @@ def test_abandon_after_moves_what_followed_the_fork_point_out_of_the_lineage(tmp
 
 def test_every_policy_field_of_the_spec_reaches_the_worker_env(tmp_path: Path) -> None:
     """C1 is derived from the spec: a non-default value of each field both models declare arrives unchanged."""
-    from ckptrun.cli.spec import LaunchSpec
+    from ckptrun.cli.supervision.spec import LaunchSpec
     from ckptrun.runtime.env import RunEnv
 
     changed = dict(precision="bf16", save_every_steps=7, save_every_seconds=30.0, keep_last=5, keep_every=100, paranoid_retention=True,

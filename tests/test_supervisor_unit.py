@@ -9,10 +9,10 @@ import pytest
 from supervisor_helpers import (STACK_IN_SCRIPT, STACK_IN_TORCH, T0, TIMEOUTS, ScriptedWorld, beat, supervisor,
                                 training)
 
-from ckptrun.cli.failures import RankFailure, root_cause
-from ckptrun.cli.policy import GiveUp, Restart, RestartFacts, RestartPolicy, pick_suspect, stale_ranks, waiting_on_peers
-from ckptrun.cli.recovery import STARTUP_PARTS, relaunch_parts
-from ckptrun.cli.supervisor import Observation, RankView, Snapshot, StopControl
+from ckptrun.cli.supervision.failures import RankFailure, root_cause
+from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot, StopControl
+from ckptrun.cli.supervision.policy import GiveUp, Restart, RestartFacts, RestartPolicy, pick_suspect, stale_ranks, waiting_on_peers
+from ckptrun.cli.supervision.recovery import STARTUP_PARTS, relaunch_parts
 
 SNAP15 = Snapshot(Path("/ckpt/step-000000015"), 15, verify_s=0.1)
 

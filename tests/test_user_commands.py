@@ -21,11 +21,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ckptrun.cli.export import read_weights
+from ckptrun.cli.commands.export import read_weights
+from ckptrun.cli.commands.status import StepRates, progress, rank_rows, run_state, step_budget
 from ckptrun.cli.main import app
-from ckptrun.cli.policy import Timeouts
-from ckptrun.cli.spec import build_spec
-from ckptrun.cli.status import StepRates, progress, rank_rows, run_state, step_budget
+from ckptrun.cli.supervision.policy import Timeouts
+from ckptrun.cli.supervision.spec import build_spec
 from ckptrun.runtime.records import Heartbeat, read_events, read_metrics
 from launch_helpers import Cleanup, ckptrun
 from snapshot_factory import flip_byte, make_snapshot

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 
 import torch.distributed.checkpoint as dcp
+from ckptrun.cli.supervision.attempt import processes_of_run
 from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, load_metadata
-from ckptrun.cli.attempt import processes_of_run
 from ckptrun.runtime.env import RunEnv
 
 TEMPLATE = "ckptrun.templates.default_job"

@@ -5,7 +5,7 @@ FAILED (a rank crashed), STALLED (ranks stopped beating: a hang) or, after a
 stop request, STOPPING → STOPPED. After FAILED/STALLED the restart policy
 says restart (from the newest snapshot the world verified) or give up with
 an exit code (design §4). There is exactly one restart counter; torchrun runs
-with ``--max-restarts 0``. Recovery checks (:mod:`ckptrun.cli.recovery`) may
+with ``--max-restarts 0``. Recovery checks (:mod:`ckptrun.cli.supervision.recovery`) may
 end a run too: an RTO estimate over ``--strict-budget`` (a stop, exit 1), a
 diverged resume under ``--require-exact-resume`` (the ranks are killed
 without saving the suspect state, exit 4).
@@ -13,145 +13,23 @@ without saving the suspect state, exit 4).
 Everything the supervisor observes or does goes through a :class:`World`
 (launch, observe, tear down, verify, the clock, sleeping), so unit tests
 script the observations and run without processes or sleeps. The real world
-is :class:`ckptrun.cli.world.LocalWorld`. Importable without torch.
+is :class:`ckptrun.cli.supervision.world.LocalWorld`. Importable without torch.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_STOPPED, EXIT_UNRECOVERABLE
-from ckptrun.cli.failures import RankFailure, describe_failure, root_cause
-from ckptrun.cli.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect, stale_ranks,
-                                waiting_on_peers)
-from ckptrun.cli.recovery import Recovery, RecoveryOptions, relaunch_parts
+from ckptrun.cli.supervision.failures import RankFailure, describe_failure, root_cause
+from ckptrun.cli.supervision.observation import AttemptWatch, Observation, Outcome, Snapshot, State, StopControl, World
+from ckptrun.cli.supervision.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect,
+                                            stale_ranks, waiting_on_peers)
+from ckptrun.cli.supervision.recovery import Recovery, RecoveryOptions, relaunch_parts
 from ckptrun.runtime.faults import parse_faults
-from ckptrun.runtime.records import Heartbeat
 
 STEP_FAULTS = ("kill", "hang", "exit")  # what the bootstrap's step hook fires in a plain script; the rest need the runtime
-
-
-class State(str, enum.Enum):
-    STARTING = "starting"
-    HEALTHY = "healthy"
-    STALLED = "stalled"
-    FAILED = "failed"
-    SUCCEEDED = "succeeded"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class RankView:
-    """One rank as seen in one poll: is its process alive, and its heartbeat of this attempt."""
-
-    alive: bool
-    beat: Heartbeat | None = None
-
-
-@dataclass
-class Observation:
-    """What one poll of the world sees."""
-
-    time: float
-    ranks: dict[int, RankView] = field(default_factory=dict)
-    agent_exit: int | None = None  # torchrun's exit code once it ended
-    first_step_time: float | None = None  # wall time of this attempt's first metrics record
-    last_step: int | None = None  # newest step in this attempt's metrics
-    last_step_time: float | None = None
-    stop_file: bool = False  # RUN_DIR/stop exists (e.g. `ckptrun stop`)
-    steps: list[dict[str, Any]] = field(default_factory=list)  # this attempt's step records since the last poll
-    snapshot_step: int | None = None  # newest snapshot this attempt saved
-    rto_estimate: dict[str, Any] | None = None  # an estimate asked for with request_estimate, once it is done
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A snapshot the world verified, and how long verifying took."""
-
-    path: Path
-    step: int
-    verify_s: float = 0.0
-
-
-class World(Protocol):
-    """The supervisor's inputs and effects (see :class:`ckptrun.cli.world.LocalWorld`)."""
-
-    def now(self) -> float: ...
-    def sleep(self, seconds: float) -> None: ...
-    def launch(self, attempt: int, resume_from: Path | None) -> None: ...
-    def observe(self) -> Observation: ...
-    def failures(self) -> tuple[list[RankFailure], str | None]: ...
-    def fatal_records(self) -> list[dict[str, Any]]: ...
-    def attempt_events(self, name: str) -> list[dict[str, Any]]: ...
-    def dump_stacks(self, ranks: list[int]) -> dict[int, str]: ...
-    def teardown(self, failed: bool = False) -> float: ...
-    def newest_snapshot(self) -> Snapshot | None: ...
-    def quarantine(self, snapshot: Path, status: str, reason: str) -> Path: ...
-    def abandon_after(self, snapshot: Path | None) -> list[Path]: ...
-    def request_stop(self) -> None: ...
-    def terminate_ranks(self) -> None: ...
-    def request_estimate(self, backoff_s: float) -> None: ...
-    def late_steps(self) -> list[dict[str, Any]]: ...
-    def stop_file_present(self) -> bool: ...
-    def event(self, name: str, **fields: Any) -> None: ...
-    def say(self, line: str) -> None: ...
-    def show_progress(self, attempt: int, restarts: int, observation: Observation, recovery: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class StopControl:
-    """Stop requests from outside the loop: signals (set by handlers) and the time limit."""
-
-    signals: int = 0
-    signal_name: str | None = None
-    stop_at: float | None = None  # wall time at which to ask for a stop (time limit minus grace)
-
-    def reason(self, now: float, stop_file: bool) -> str | None:
-        if self.signals:
-            return f"signal {self.signal_name or ''}".strip()
-        if self.stop_at is not None and now >= self.stop_at:
-            return "time limit"
-        return "stop requested (RUN_DIR/stop)" if stop_file else None
-
-    @property
-    def forced(self) -> bool:
-        return self.signals >= 2
-
-
-@dataclass
-class Outcome:
-    """How supervise() ended: the exit code and what to tell a person."""
-
-    code: int
-    message: str
-    hint: str | None = None
-    attempts: int = 0
-    restarts: int = 0
-
-
-@dataclass
-class AttemptWatch:
-    """The mutable facts of the attempt being watched."""
-
-    attempt: int
-    launched: float
-    resume: Snapshot | None
-    state: State = State.STARTING
-    gone_at: float | None = None  # first poll that saw a rank process gone
-    beats: dict[int, Heartbeat] = field(default_factory=dict)
-    first_step_time: float | None = None
-    last_step: int | None = None
-    last_step_time: float | None = None
-    kill_deadline: float | None = None
-    failure: dict[str, Any] | None = None
-    detected_at: float | None = None
-    teardown_s: float = 0.0
-    forced: bool = False
-    reshard_checked: bool = False  # looked for the attempt's `resharded` event (once, at its first steps)
 
 
 class Supervisor:

@@ -22,7 +22,7 @@ import psutil
 from filelock import FileLock, Timeout
 
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
-from ckptrun.cli.spec import RUN_JSON
+from ckptrun.cli.supervision.spec import RUN_JSON
 from ckptrun.runtime import records
 
 LOCK_NAME = ".lock"

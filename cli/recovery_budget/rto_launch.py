@@ -2,7 +2,7 @@
 
 Cheap by construction: no probe and no no-op launch (either would compete
 with training for the machine). Each component is the one ``estimate-rto``
-computes (:mod:`ckptrun.cli.rto_components`), from this run's history or
+computes (:mod:`ckptrun.cli.recovery_budget.rto_components`), from this run's history or
 measured now: detect and teardown from past restarts, else the poll interval
 and the grace period as bound; verify timed on the newest snapshot now; the
 back-off the next restart will wait; restart from past restarts, else this
@@ -18,19 +18,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckptrun.cli import rto_components as parts
-from ckptrun.cli import rto_history as hist
-from ckptrun.cli import rto_measure as measure
 from ckptrun.cli.durations import format_duration as fmt
-from ckptrun.cli.rto_model import (CONFIGURED, ESTIMATED, RTO_PARTS, Component, budget_verdict, cost_per_failure,
-                                   max_interval, total)
+from ckptrun.cli.recovery_budget import rto_components as parts
+from ckptrun.cli.recovery_budget import rto_history as hist
+from ckptrun.cli.recovery_budget import rto_measure as measure
+from ckptrun.cli.recovery_budget.estimate import find_target
+from ckptrun.cli.recovery_budget.rto_model import (CONFIGURED, ESTIMATED, RTO_PARTS, Component, budget_verdict,
+                                                   cost_per_failure, max_interval, total)
 from ckptrun.runtime import records
 
 
 def estimate(run_dir: Path, backoff_s: float, budget_s: float | None) -> dict[str, Any]:
     """The RTO now, each component with its source, and the verdict against ``budget_s`` (the event's fields)."""
-    from ckptrun.cli.estimate_rto import find_target
-
     target = find_target(run_dir)
     checked = parts.verify(target)  # first: a fallback changes the snapshot the rest is about
     components = {

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
-from ckptrun.cli.spec import RUN_JSON
-from ckptrun.cli.verify import human_bytes
+from ckptrun.cli.humanize import human_bytes
+from ckptrun.cli.supervision.spec import RUN_JSON
 from ckptrun.runtime import records
 from ckptrun.runtime.manifest import MANIFEST_NAME
 from ckptrun.runtime.store import LINEAGE_NAME, list_entries

@@ -1,7 +1,7 @@
 """One attempt = one torchrun process tree: start it, find its ranks, signal them, tear it all down.
 
 The tree runs in a session of its own (so a Ctrl-C reaches only the
-supervisor) and is started through :mod:`ckptrun.cli.agent`, which is torchrun
+supervisor) and is started through :mod:`ckptrun.cli.supervision.agent`, which is torchrun
 plus a record of per-rank failures. Ranks are torchrun's direct children that
 carry ``RANK`` in their environment; data-loader workers and other
 grandchildren are found through psutil. Teardown collects the whole tree
@@ -19,20 +19,42 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.resources import files
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import psutil
 
 from ckptrun.runtime.env import variable
 
+if TYPE_CHECKING:  # annotations only: the agent process imports this module and must start fast
+    from ckptrun.cli.supervision.spec import LaunchSpec
+
 RUN_ID_VARIABLE = variable("run_id")
 FAILED_GRACE_S = 1.0  # SIGTERM -> SIGKILL for a failed attempt's survivors (they have nothing to save)
 
 
+def default_job() -> Path:
+    """The embedded default training script (``ckptrun.templates.default_job``)."""
+    return Path(str(files("ckptrun.templates").joinpath("default_job.py")))
+
+
+def torchrun_args(spec: LaunchSpec, log_dir: Path) -> list[str]:
+    """torchrun's flags for one attempt: a fresh rendezvous unless a fixed port was asked for."""
+    args = ["--nproc-per-node", spec.nproc_per_node, "--nnodes", spec.nnodes, "--node-rank", str(spec.node_rank)]
+    if spec.master_port is not None:
+        args += ["--master-addr", spec.master_addr or "127.0.0.1", "--master-port", str(spec.master_port)]
+    elif spec.rdzv_backend or spec.rdzv_endpoint:
+        args += [f"--rdzv-backend={spec.rdzv_backend or 'c10d'}", f"--rdzv-endpoint={spec.rdzv_endpoint or 'localhost:0'}"]
+    else:
+        args += ["--standalone"]
+    return args + ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
+                   "--shutdown-timeout", str(max(1, int(spec.grace_period)))]
+
+
 def torchrun_command(failures_json: Path, torchrun_args: list[str], target: list[str]) -> list[str]:
-    """``python -m ckptrun.cli.agent FAILURES … torchrun args … -m ckptrun.runtime.bootstrap TARGET``."""
-    return [sys.executable, "-m", "ckptrun.cli.agent", str(failures_json), *torchrun_args,
+    """``python -m ckptrun.cli.supervision.agent FAILURES … torchrun args … -m ckptrun.runtime.bootstrap TARGET``."""
+    return [sys.executable, "-m", "ckptrun.cli.supervision.agent", str(failures_json), *torchrun_args,
             "--max-restarts", "0", "-m", "ckptrun.runtime.bootstrap", *target]
 
 

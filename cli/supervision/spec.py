@@ -10,6 +10,7 @@ Importable without torch.
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import time
@@ -17,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ckptrun.cli import durations
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
@@ -40,8 +41,28 @@ def parse_duration(value: Any) -> Any:
     return value
 
 
-class LaunchSpec(BaseModel):
-    """What to run, on how many ranks, under which checkpoint and supervision policy."""
+# RunEnv fields that are not launch options: the world sets them per attempt, they derive from options
+# of another name (``worker_policy``), or only ckptrun's own tools set them. Every other RunEnv field IS a
+# launch option (a ``--config`` key, and a flag where ``launch`` declares one): declared once, in RunEnv.
+NOT_OPTIONS = frozenset({
+    "run_id", "run_dir", "ckpt_dir", "attempt", "supervised", "supervisor_pid", "supervisor_start_time",
+    "resume_from", "save_interval_cap_seconds",  # the world's, per attempt
+    "save_every_auto", "mtbf_seconds", "heartbeat_interval", "fault",  # from save_every, mtbf, heartbeat_timeout, inject_fault
+    "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
+    "ckpt_url", "local_cache", "storage_options",  # not launch options yet: the object-store work drops them from here
+})
+WorkerPolicy: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "WorkerPolicy", __doc__="The contract-C1 fields a launch decides for every worker: RunEnv's own fields.",
+    **{name: (info.annotation, copy.copy(info)) for name, info in RunEnv.model_fields.items() if name not in NOT_OPTIONS},
+)
+
+
+class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
+    """What to run, on how many ranks, under which checkpoint and supervision policy.
+
+    The worker-policy fields (precision, save cadence, retention, seeds, anomaly handling…) come from
+    :class:`~ckptrun.runtime.env.RunEnv` through :data:`WorkerPolicy`; the fields below are the launch's own.
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -60,29 +81,10 @@ class LaunchSpec(BaseModel):
     name: str | None = Field(None, description="Run name; default SCRIPT-STEM-YYYYmmdd-HHMMSS.")
     run_dir: Path | None = Field(None, description="Run directory; default runs/NAME.")
     ckpt_dir: Path | None = Field(None, description="Checkpoint directory; default RUN_DIR/checkpoints.")
-    # --- what every worker is told (contract C1) ---
-    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"] = Field("auto", description="Precision policy.")
-    save_every_steps: int | None = Field(None, ge=1, description="Save a snapshot every N optimizer steps.")
-    save_every_seconds: float | None = Field(None, gt=0, description="Save when this long passed since the last save.")
+    # --- what every worker is told (contract C1): WorkerPolicy's fields, and these that map to RunEnv's ---
     save_every: Literal["auto"] | None = Field(None, description="auto: the time between saves follows Daly's formula from the measured save cost and --mtbf; the default when no --save-every* is given.")
     mtbf: float = Field(DEFAULT_MTBF_S, gt=0, description="Mean time between failures of the job, for --save-every auto.")
-    keep_last: int = Field(3, ge=1, description="Verified snapshots kept besides milestones.")
-    keep_every: int | None = Field(None, ge=1, description="Snapshots at multiples of M steps are kept forever.")
-    paranoid_retention: bool = Field(False, description="Before retention deletes, re-hash the newest snapshot read past the page cache.")
-    async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
-    save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")
-    max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that end the run (exit 1).")
-    seed: int = Field(0, description="Base seed; rank r uses seed + r.")
-    deterministic: bool = Field(True, description="Deterministic algorithms and fixed seeds (exact resume).")
-    threads: int | None = Field(None, ge=1, description="torch threads per worker.")
-    hash_algorithm: Literal["sha256", "blake3"] = Field("sha256", description="Digest of every snapshot file.")
-    allow_changes: list[str] = Field(default_factory=list, description="Config keys allowed to differ on resume.")
-    allow_reshard: bool = Field(False, description="Resume a snapshot written at another world size (tensors and data position reshard, RNG is reseeded: not bitwise exact).")
-    on_anomaly: Literal["warn", "stop", "rollback"] = Field("warn", description="A non-finite or spiking loss: warn, stop (exit 4) or roll back.")
-    anomaly_sigma: float = Field(6.0, gt=0, description="A spike is a loss above mean + sigma * std of the recent window.")
-    anomaly_window: int = Field(50, ge=2, description="Steps of loss history an anomaly is judged against.")
-    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before an anomaly stops the run (exit 4).")
-    rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback.")
+    allow_changes: list[str] = Field(default_factory=list, description="Config keys allowed to differ on resume.")  # RunEnv's tuple, as a list
     inject_fault: str | None = Field(None, description="Fault injection spec (tests, demos): see README.")
     ranks_output: str = Field("all", description="Whose output the launcher shows, prefixed [rankN]: all, none or ranks like 0 or 0,3 (console.log keeps all).")
     # --- supervision ---

@@ -14,7 +14,7 @@ the real script with the real launch options (the same options as
   the losses and each tracked state's digest must come back; its records give
   the snapshot figures and a measured RTO.
 
-:mod:`ckptrun.cli.preflight_checks` turns the records into six verdicts. The
+:mod:`ckptrun.cli.commands.preflight_checks` turns the records into six verdicts. The
 table goes to stdout (the verdict line last; ``--json``: one document), the
 same document to ``RUN_DIR-preflight/preflight.json``; exit 0 when nothing
 failed, 1 when something did, 2 for bad input. torch is imported only by the
@@ -35,11 +35,11 @@ from typing import Any, Literal, Optional
 
 import typer
 
-from ckptrun.cli import preflight_checks as checks
+from ckptrun.cli.commands import preflight_checks as checks
+from ckptrun.cli.commands.launch import launch, launch_spec
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_REFUSED, CkptrunError, command
-from ckptrun.cli.launch import launch, launch_spec
-from ckptrun.cli.rundir import RUNS_ROOT, RunPaths, default_name
-from ckptrun.cli.spec import LaunchSpec
+from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunPaths, default_name
+from ckptrun.cli.supervision.spec import LaunchSpec
 
 REPORT = "preflight.json"
 # a scratch run is asked to stop (save, exit 3) after this long, whatever its steps: learn's minute; resume's
@@ -140,14 +140,15 @@ def run_phase(spec: LaunchSpec, root: Path, mode: str, steps: int, **updates: An
         "run_dir": run_dir, "ckpt_dir": run_dir / "checkpoints", "ranks_output": "none", "inject_fault": None,
         "rto_budget": None, "strict_budget": False, "time_limit": None, **updates, "preflight": mode,
         "preflight_steps": steps})
-    from ckptrun.cli.runner import start_run
+    from ckptrun.cli.recovery_budget import rto_launch
+    from ckptrun.cli.supervision.runner import start_run
 
     print(f"ckptrun preflight: {mode} run in {run_dir}", file=sys.stderr, flush=True)
     timer = threading.Timer(PHASE_SECONDS[mode], _ask_stop, (run_dir,))
     timer.start()
     try:
         with open(root / f"{mode}.out", "w") as out, contextlib.redirect_stdout(out):
-            return run_dir, start_run(phase, argv=["ckptrun", "preflight", mode]), ""
+            return run_dir, start_run(phase, argv=["ckptrun", "preflight", mode], estimator=rto_launch), ""
     except CkptrunError as exc:
         if exc.exit_code == EXIT_REFUSED:  # refused before anything ran (no such script, fp8): bad input, exit 2
             shutil.rmtree(root, ignore_errors=True)  # and leave nothing behind

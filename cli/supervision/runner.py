@@ -13,30 +13,26 @@ import signal
 import sys
 import time
 import uuid
-from importlib.resources import files
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from ckptrun.cli.durations import format_duration
 from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, EXIT_UNRECOVERABLE, CkptrunError
-from ckptrun.cli.policy import RestartPolicy, Timeouts
 from ckptrun.cli.progress import Progress
-from ckptrun.cli.recovery import RecoveryOptions
-from ckptrun.cli.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, holder, unique_run_dir
-from ckptrun.cli.spec import RUN_JSON, LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
-from ckptrun.cli.supervisor import Outcome, Snapshot, StopControl, Supervisor
-from ckptrun.cli.world import LocalWorld
+from ckptrun.cli.supervision.attempt import default_job
+from ckptrun.cli.supervision.observation import Outcome, Snapshot, StopControl
+from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
+from ckptrun.cli.supervision.recovery import RecoveryOptions
+from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, holder, unique_run_dir
+from ckptrun.cli.supervision.spec import RUN_JSON, LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
+from ckptrun.cli.supervision.supervisor import Supervisor
+from ckptrun.cli.supervision.world import Estimator, LocalWorld
 from ckptrun.runtime import records
 from ckptrun.runtime.env import NOT_IMPLEMENTED
 from ckptrun.runtime.manifest import ManifestError, read_manifest
 from ckptrun.runtime.store import fork, list_entries, snapshot_name
 from ckptrun.runtime.verify import newest_verified, verify_snapshot
-
-
-def default_job() -> Path:
-    """The embedded default training script (``ckptrun.templates.default_job``)."""
-    return Path(str(files("ckptrun.templates").joinpath("default_job.py")))
 
 
 def ckpt_dir_of(spec: LaunchSpec, run_dir: Path) -> Path:
@@ -46,8 +42,9 @@ def ckpt_dir_of(spec: LaunchSpec, run_dir: Path) -> Path:
 # --- launch ---------------------------------------------------------------------
 
 
-def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False) -> int:
-    """``ckptrun launch``: a new run directory, then supervision from attempt 1."""
+def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False, *, estimator: Estimator) -> int:
+    """``ckptrun launch``: a new run directory, then supervision from attempt 1 (``estimator``: the recovery
+    budget's in-launch RTO estimate, :mod:`ckptrun.cli.recovery_budget.rto_launch`)."""
     if spec.precision in NOT_IMPLEMENTED:  # refused before a run dir or a rank exists (torch is not imported)
         what, hint = NOT_IMPLEMENTED[spec.precision]
         raise CkptrunError(f"--precision {spec.precision}: {what}", hint)
@@ -67,7 +64,7 @@ def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False) -> int:
         write_run_record(run_dir, record)
         records.log_event(run_dir, "launch", run_id=record.run_id, argv=argv, spec=spec.model_dump(mode="json"))
         _took_over(lock)
-        return supervise_run(record, paths, first_attempt=1, resume=None, as_json=as_json)
+        return supervise_run(record, paths, first_attempt=1, resume=None, as_json=as_json, estimator=estimator)
 
 
 def _refuse_used(paths: RunPaths, ckpt_dir: Path) -> None:
@@ -104,7 +101,8 @@ def _took_over(lock: RunLock) -> None:
 # --- resume ---------------------------------------------------------------------
 
 
-def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], argv: list[str], as_json: bool = False) -> int:
+def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], argv: list[str], as_json: bool = False, *,
+               estimator: Estimator) -> int:
     """``ckptrun resume``: the run's own spec, from its newest verified snapshot or ``source``."""
     paths = RunPaths(run_dir)
     record = read_run_record(run_dir)
@@ -127,7 +125,7 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
                           snapshot_step=snapshot.step if snapshot else None,
                           argv=argv, forked=bool(source), script_args=overrides.get("script_args"))
         _took_over(lock)
-        return supervise_run(record, paths, first_attempt=first, resume=snapshot, as_json=as_json)
+        return supervise_run(record, paths, first_attempt=first, resume=snapshot, as_json=as_json, estimator=estimator)
 
 
 def _completed(run_dir: Path) -> dict[str, Any] | None:
@@ -183,13 +181,13 @@ def _from_source(ckpt_dir: Path, source: str) -> Snapshot:
 
 
 def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume: Snapshot | None,
-                  as_json: bool = False) -> int:
+                  as_json: bool = False, *, estimator: Estimator) -> int:
     """Run the supervisor with signal handlers installed; report its outcome; clean the stop channel."""
     spec = record.spec
     progress = Progress(out=sys.stderr if as_json else sys.stdout)  # stdout holds only the JSON document then
     target = [str(spec.script or default_job()), *spec.script_args]
     world = LocalWorld(spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress,
-                       restored_step=resume.step if resume else None)
+                       restored_step=resume.step if resume else None, estimator=estimator)
     stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
     policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
     timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)

@@ -6,7 +6,7 @@ figure, and the reason in words a person can act on. The scratch runs are
 ``learn`` (the first batch repeated, :mod:`ckptrun.runtime.preflight`) and
 ``resume`` (saved, killed after three more steps, restored, replayed). The
 arithmetic is the rest of ckptrun's: the resume verdict of
-:mod:`~ckptrun.cli.resume_check`, the RTO model of ``estimate-rto``, the
+:mod:`~ckptrun.cli.supervision.resume_check`, the RTO model of ``estimate-rto``, the
 per-op report of ``precision-report``. Importable without torch.
 """
 
@@ -21,14 +21,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptrun.cli.commands.precision_report import REPORT as PRECISION_REPORT
 from ckptrun.cli.durations import format_duration
 from ckptrun.cli.errors import CkptrunError
-from ckptrun.cli.resume_check import DIVERGED, resume_verdict
-from ckptrun.cli.rto_model import RTO_PARTS, budget_verdict
-from ckptrun.cli.verify import human_bytes
+from ckptrun.cli.humanize import human_bytes
+from ckptrun.cli.recovery_budget.estimate import build_report, find_target
+from ckptrun.cli.recovery_budget.rto_model import RTO_PARTS, budget_verdict
+from ckptrun.cli.supervision.recovery import CUT
+from ckptrun.cli.supervision.resume_check import DIVERGED, resume_verdict
 from ckptrun.runtime import records
 from ckptrun.runtime.preflight import read_digests
-from ckptrun.cli.precision_report import REPORT as PRECISION_REPORT
 
 PASS, WARN, FAIL, SKIPPED = "pass", "warn", "fail", "skipped"
 NAMES = ("learns", "resumes", "speed", "snapshot", "budgets", "precision")  # the order of the table
@@ -242,8 +244,6 @@ def _memory(facts: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]]:
 
 
 def _rto(spec: Any, resume_dir: Path) -> tuple[str, str, str, dict[str, Any]]:
-    from ckptrun.cli.estimate_rto import CUT, build_report, find_target
-
     try:
         target = find_target(resume_dir)
     except CkptrunError as exc:

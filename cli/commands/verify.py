@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import typer
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
+from ckptrun.cli.humanize import human_age, human_bytes
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from ckptrun.runtime.store import (
     ABANDONED_DIR,
@@ -257,20 +258,3 @@ def _summary(reports: list[SnapshotReport], quick: bool) -> str:
     newest = [r.step for r in published if r.status == OK and not r.abandoned]
     text += f"; newest verified: step {max(newest)}" if newest else "; no verified snapshot on the current line"
     return text + (" (sizes only, --quick)" if quick else "")
-
-
-def human_bytes(count: int) -> str:
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{count} B"
-
-
-def human_age(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    for limit, unit, div in ((120, "s", 1), (7200, "m", 60), (172800, "h", 3600)):
-        if seconds < limit:
-            return f"{seconds / div:.0f}{unit}"
-    return f"{seconds / 86400:.0f}d"

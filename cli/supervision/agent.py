@@ -1,9 +1,9 @@
 """torchrun, plus a record of how each rank failed: the process ``ckptrun launch`` starts per attempt.
 
-Usage: ``python -m ckptrun.cli.agent FAILURES_JSON [TORCHRUN ARGS...]``. It runs
+Usage: ``python -m ckptrun.cli.supervision.agent FAILURES_JSON [TORCHRUN ARGS...]``. It runs
 ``torch.distributed.run`` unchanged and, when torchrun gives up with
 ``ChildFailedError``, writes ``ChildFailedError.failures`` (exit code or signal,
-error-file contents, per rank) to FAILURES_JSON through :mod:`ckptrun.cli.failures`.
+error-file contents, per rank) to FAILURES_JSON through :mod:`ckptrun.cli.supervision.failures`.
 The supervisor reads that file instead of scraping torchrun's log. Like every
 rank, it watches the supervisor: when that is gone (a SIGKILL) it gives its
 ranks a few seconds to leave on their own, kills those left (they run in
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import psutil
 
-from ckptrun.cli.attempt import kill_all, wait_gone
-from ckptrun.cli.failures import RankFailure, from_error_file, write_failures
+from ckptrun.cli.supervision.attempt import kill_all, wait_gone
+from ckptrun.cli.supervision.failures import RankFailure, from_error_file, write_failures
 from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.liveness import watch_supervisor
 
@@ -41,7 +41,7 @@ def _facts(global_rank: int, failure: object) -> RankFailure:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m ckptrun.cli.agent FAILURES_JSON [TORCHRUN ARGS...]", file=sys.stderr)
+        print("usage: python -m ckptrun.cli.supervision.agent FAILURES_JSON [TORCHRUN ARGS...]", file=sys.stderr)
         return 2
     record, torchrun_args = Path(argv[0]), argv[1:]
     _watch_supervisor()

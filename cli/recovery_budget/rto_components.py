@@ -2,7 +2,7 @@
 
 Preference, per component: this run's own history (what past restarts
 measured) over a measurement made now on this machine over a configured or
-assumed figure — and each :class:`~ckptrun.cli.rto_model.Component` says
+assumed figure — and each :class:`~ckptrun.cli.recovery_budget.rto_model.Component` says
 which, naming the assumption. :class:`Target` is what the command found at
 PATH: a run directory (records, maybe ``run.json``) or a bare checkpoint
 directory. Importable without torch; torch runs only in the probes' children.
@@ -13,17 +13,17 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ckptrun.cli import rto_history as hist
-from ckptrun.cli import rto_measure as measure
 from ckptrun.cli.durations import format_duration as fmt
 from ckptrun.cli.errors import EXIT_NO, CkptrunError
-from ckptrun.cli.rto_model import ASSUMED, CONFIGURED, ESTIMATED, HISTORY, MEASURED, UNKNOWN, Component, lost_work
+from ckptrun.cli.humanize import human_bytes
+from ckptrun.cli.recovery_budget import rto_history as hist
+from ckptrun.cli.recovery_budget import rto_measure as measure
+from ckptrun.cli.recovery_budget.rto_model import ASSUMED, CONFIGURED, ESTIMATED, HISTORY, MEASURED, UNKNOWN, Component, lost_work
+from ckptrun.cli.supervision.policy import STACK_WAIT_S, RestartPolicy, Timeouts
+from ckptrun.cli.supervision.spec import LaunchSpec
 from ckptrun.runtime.manifest import Manifest
-
-if TYPE_CHECKING:
-    from ckptrun.cli.spec import LaunchSpec
 
 PROBE_TIMEOUT_S = 600.0
 
@@ -39,7 +39,7 @@ class Target:
     manifest: Manifest
     run_dir: Path | None = None
     run_id: str | None = None
-    spec: "LaunchSpec | None" = None
+    spec: LaunchSpec | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     created: list[tuple[int, float]] = field(default_factory=list)  # (step, created) of the lineage's snapshots
@@ -51,8 +51,6 @@ class Target:
 
     def setting(self, name: str) -> tuple[Any, str, str]:
         """A launch setting: (value, source, words), from run.json or the launch default."""
-        from ckptrun.cli.spec import LaunchSpec
-
         if self.spec is not None:
             return getattr(self.spec, name), CONFIGURED, "run.json"
         return LaunchSpec.model_fields[name].default, ASSUMED, "the launch default; no run.json"
@@ -68,9 +66,6 @@ def say(line: str) -> None:
 
 
 def detect(target: Target) -> Component:
-    from ckptrun.cli.policy import Timeouts
-    from ckptrun.cli.world import STACK_WAIT_S
-
     poll = Timeouts().poll
     timeout, source, where = target.setting("heartbeat_timeout")
     hang = float(timeout) + poll + STACK_WAIT_S
@@ -98,8 +93,6 @@ def teardown(target: Target, noop: measure.NoopTimes | None) -> Component:
 
 
 def backoff(target: Target) -> Component:
-    from ckptrun.cli.policy import RestartPolicy
-
     first, source, where = target.setting("restart_backoff")
     cap, _, _ = target.setting("restart_backoff_cap")
     policy = RestartPolicy(backoff=float(first), backoff_cap=float(cap))
@@ -116,8 +109,6 @@ def verify(target: Target) -> Component:
 
     A fallback moves ``target.snapshot`` to the snapshot a restart would really restore.
     """
-    from ckptrun.cli.verify import human_bytes
-
     timing = measure.time_verify(target.snapshot, target.manifest)
     spent, skipped = timing.seconds, []
     for path, manifest in target.older if timing.status not in (None, "ok") else []:

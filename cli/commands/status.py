@@ -25,11 +25,11 @@ import psutil
 import typer
 from ckptrun.cli.durations import DurationError, format_duration, parse_duration
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
-from ckptrun.cli.policy import Timeouts
-from ckptrun.cli.rto_history import restart_figure
-from ckptrun.cli.rundir import RunPaths, holder, latest_run
-from ckptrun.cli.spec import RUN_JSON, LaunchSpec
-from ckptrun.cli.verify import human_age, human_bytes
+from ckptrun.cli.humanize import human_age, human_bytes
+from ckptrun.cli.recovery_budget.rto_history import restart_figure
+from ckptrun.cli.supervision.policy import Timeouts
+from ckptrun.cli.supervision.rundir import RunPaths, holder, latest_run
+from ckptrun.cli.supervision.spec import RUN_JSON, LaunchSpec
 from ckptrun.runtime import records
 from ckptrun.runtime.manifest import Manifest
 from ckptrun.runtime.store import LineageError, current_lineage, published

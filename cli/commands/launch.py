@@ -2,7 +2,7 @@
 
 Options keep torchrun's names. ``launch`` reads ``--config FILE`` (TOML, keys
 as the long option names) and lets the flags a person typed override it; the
-spec is validated in :mod:`ckptrun.cli.spec`. Everything after the options —
+spec is validated in :mod:`ckptrun.cli.supervision.spec`. Everything after the options —
 ``SCRIPT [ARGS...]``, passed on untouched, or ``-- ARGS`` for the embedded
 default job — is the training command. Importable without torch.
 """
@@ -17,9 +17,10 @@ from typing import Any, Optional
 import typer
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_REFUSED, CkptrunError, command
-from ckptrun.cli.rundir import RunPaths, alive, holder, latest_run
-from ckptrun.cli.runner import resume_run, start_run
-from ckptrun.cli.spec import RENAMED, LaunchSpec, build_spec
+from ckptrun.cli.recovery_budget import rto_launch
+from ckptrun.cli.supervision.rundir import RunPaths, alive, holder, latest_run
+from ckptrun.cli.supervision.runner import resume_run, start_run
+from ckptrun.cli.supervision.spec import RENAMED, LaunchSpec, build_spec
 from ckptrun.runtime import records
 
 # Options end at the first word that is not one (SCRIPT) or at `--`; an unknown option before that is a typo,
@@ -106,7 +107,8 @@ def launch(
       ckptrun launch --nproc-per-node 2 --save-every-steps 5 -- --steps 40
     """
     options = {key: value for key, value in locals().items() if key not in ("ctx", "config", "standalone", "as_json")}
-    return start_run(launch_spec(ctx, config, standalone, options), argv=sys.argv, as_json=as_json)
+    return start_run(launch_spec(ctx, config, standalone, options), argv=sys.argv, as_json=as_json,
+                     estimator=rto_launch)
 
 
 def launch_spec(ctx: typer.Context, config: Optional[Path], standalone: bool, options: dict[str, Any]) -> LaunchSpec:
@@ -150,7 +152,8 @@ def resume(
         overrides["allow_changes"] = build_spec({"allow_changes": allow_change}).allow_changes
     if max_restarts is not None:
         build_spec({"max_restarts": max_restarts})
-    return resume_run(run_dir or latest_run(), source, overrides, argv=sys.argv, as_json=as_json)
+    return resume_run(run_dir or latest_run(), source, overrides, argv=sys.argv, as_json=as_json,
+                      estimator=rto_launch)
 
 
 @command

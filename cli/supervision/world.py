@@ -1,7 +1,7 @@
 """The real world the supervisor watches: torchrun trees, the run directory's records, the clock.
 
-:class:`LocalWorld` implements :class:`ckptrun.cli.supervisor.World` for one
-node. It builds each attempt's C1 environment in one place, starts the
+:class:`LocalWorld` implements :class:`ckptrun.cli.supervision.observation.World` for
+one node. It builds each attempt's C1 environment in one place, starts the
 attempt's process tree, and turns processes, heartbeat files and the tails
 of ``metrics.jsonl``/``events.jsonl`` into :class:`Observation` s. Importable
 without torch.
@@ -15,23 +15,29 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
-from ckptrun.cli.attempt import AttemptProcess, torchrun_command
 from ckptrun.cli.durations import format_duration
-from ckptrun.cli.failures import CONSOLE_NAME, FAILURES_NAME, RankFailure, rank_log, read_failures, stderr_tail
 from ckptrun.cli.progress import Progress, Status
-from ckptrun.cli.rank_output import PREFIX_TEMPLATE, PREFIX_VARIABLE, RankOutput, selector
-from ckptrun.cli.rundir import RunPaths
-from ckptrun.cli.spec import LaunchSpec
-from ckptrun.cli.supervisor import Observation, RankView, Snapshot
+from ckptrun.cli.supervision.attempt import AttemptProcess, torchrun_args, torchrun_command
+from ckptrun.cli.supervision.failures import CONSOLE_NAME, FAILURES_NAME, RankFailure, rank_log, read_failures, stderr_tail
+from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot
+from ckptrun.cli.supervision.policy import STACK_WAIT_S
+from ckptrun.cli.supervision.rank_output import PREFIX_TEMPLATE, PREFIX_VARIABLE, RankOutput, selector
+from ckptrun.cli.supervision.rundir import RunPaths
+from ckptrun.cli.supervision.spec import LaunchSpec
 from ckptrun.runtime import records, store
 from ckptrun.runtime.env import PREFIX, RunEnv
 from ckptrun.runtime.verify import newest_verified
 
-STACK_WAIT_S = 3.0
+class Estimator(Protocol):
+    """The recovery budget's in-launch estimate (the module :mod:`ckptrun.cli.recovery_budget.rto_launch`),
+    handed in by the command that launches: the supervision engine never imports the recovery budget."""
+
+    def estimate(self, run_dir: Path, backoff_s: float, budget_s: float | None) -> dict[str, Any]: ...
+    def interval_cap(self, run_dir: Path, budget_s: float | None) -> float | None: ...
 
 
 class JsonlTail:
@@ -61,25 +67,13 @@ class JsonlTail:
         return out
 
 
-def torchrun_args(spec: LaunchSpec, log_dir: Path) -> list[str]:
-    """torchrun's flags for one attempt: a fresh rendezvous unless a fixed port was asked for."""
-    args = ["--nproc-per-node", spec.nproc_per_node, "--nnodes", spec.nnodes, "--node-rank", str(spec.node_rank)]
-    if spec.master_port is not None:
-        args += ["--master-addr", spec.master_addr or "127.0.0.1", "--master-port", str(spec.master_port)]
-    elif spec.rdzv_backend or spec.rdzv_endpoint:
-        args += [f"--rdzv-backend={spec.rdzv_backend or 'c10d'}", f"--rdzv-endpoint={spec.rdzv_endpoint or 'localhost:0'}"]
-    else:
-        args += ["--standalone"]
-    return args + ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
-                   "--shutdown-timeout", str(max(1, int(spec.grace_period)))]
-
-
 class LocalWorld:
     """One node's attempts, observed through psutil and the run directory."""
 
     def __init__(self, spec: LaunchSpec, run_id: str, paths: RunPaths, ckpt_dir: Path, target: list[str],
-                 progress: Progress, restored_step: int | None = None) -> None:
+                 progress: Progress, restored_step: int | None = None, estimator: Estimator | None = None) -> None:
         self.spec, self.run_id, self.paths, self.ckpt_dir = spec, run_id, paths, ckpt_dir
+        self.estimator = estimator  # None: no RTO estimate and no auto-save cap (unit tests of the world)
         self.target, self.progress = target, progress
         self.attempt = 0
         self.process: AttemptProcess | None = None
@@ -120,11 +114,9 @@ class LocalWorld:
 
     def _interval_cap(self) -> float | None:
         """``--save-every auto`` with ``--rto-budget``: the longest interval that keeps a failure within budget."""
-        if self.spec.save_every != "auto":
+        if self.spec.save_every != "auto" or self.estimator is None:
             return None
-        from ckptrun.cli.rto_launch import interval_cap
-
-        return interval_cap(self.paths.root, self.spec.rto_budget)
+        return self.estimator.interval_cap(self.paths.root, self.spec.rto_budget)
 
     def launch(self, attempt: int, resume_from: Path | None) -> None:
         self.attempt, self.launched = attempt, time.time()
@@ -268,11 +260,13 @@ class LocalWorld:
 
     def request_estimate(self, backoff_s: float) -> None:
         """Estimate the RTO on a thread (it hashes and reads the newest snapshot); observe() hands it over."""
-        from ckptrun.cli.rto_launch import estimate
+        estimator = self.estimator
 
         def work() -> None:
             try:
-                result = estimate(self.paths.root, backoff_s, self.spec.rto_budget)
+                if estimator is None:
+                    raise RuntimeError("no recovery-budget estimator was handed to this world")
+                result = estimator.estimate(self.paths.root, backoff_s, self.spec.rto_budget)
             except Exception as exc:  # noqa: BLE001 - an estimate must never take the supervisor down
                 result = {"error": getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"}
             self.estimates.append(result)

@@ -1,11 +1,11 @@
 """What the supervisor checks about recovery while it watches: the RTO against its budget, and each resume.
 
 * ``--rto-budget``: after the first snapshot of each attempt the supervisor
-  asks its world for an estimate (:mod:`ckptrun.cli.rto_launch`, on a thread);
+  asks its world for an estimate (:mod:`ckptrun.cli.recovery_budget.rto_launch`, on a thread);
   the result becomes an ``rto_estimate`` event, a warning (once) when it is
   over budget, or with ``--strict-budget`` a stop (exit 1).
 * After a restart the replayed steps are compared with the failed attempt's
-  (:mod:`ckptrun.cli.resume_check`); ``--require-exact-resume`` ends the run
+  (:mod:`ckptrun.cli.supervision.resume_check`); ``--require-exact-resume`` ends the run
   (exit 4) on ``diverged``.
 * Every ``restart`` event carries ``rto_measured_s``, ``rto_estimated_s`` (the
   estimate made before the failure), ``rto_budget_s`` and the resume fields.
@@ -21,9 +21,19 @@ from typing import Any, Protocol
 
 from ckptrun.cli.durations import format_duration as fmt
 from ckptrun.cli.errors import EXIT_NO
-from ckptrun.cli.policy import GiveUp
-from ckptrun.cli.resume_check import DIVERGED, ResumeWatch, StepLog, flagged
+from ckptrun.cli.supervision.policy import GiveUp
+from ckptrun.cli.supervision.resume_check import DIVERGED, ResumeWatch, StepLog, flagged
 
+# The change that shrinks each recovery part most: the supervisor's hint when an estimate is over budget,
+# and estimate-rto's and preflight's.
+CUT = {
+    "detect": "a crash is found within one poll; for hangs lower --heartbeat-timeout",
+    "teardown": "ranks should exit promptly on SIGTERM; a lower --grace-period bounds the wait",
+    "verify": "verification reads and hashes every byte: blake3 (hash_algorithm = \"blake3\" in --config) hashes faster, smaller snapshots help",
+    "backoff": "lower --restart-backoff",
+    "restart": "start-up and restore dominate: smaller snapshots, faster storage, fewer imports and less set-up before training",
+    "lost_work": "save more often (--save-every-seconds; with --mtbf the report recommends an interval)",
+}
 RTO_PARTS = ("detect_s", "teardown_s", "verify_s", "backoff_s")  # + relaunch_to_first_step_s
 
 
@@ -172,8 +182,6 @@ def describe(fields: dict[str, Any]) -> str:
 
 def budget_hint(fields: dict[str, Any], strict: bool) -> str:
     """What to do about an RTO over budget."""
-    from ckptrun.cli.estimate_rto import CUT
-
     cut = CUT.get(fields.get("largest") or "", "see `ckptrun estimate-rto RUN_DIR`")
     tail = "; `ckptrun resume --latest` continues the run" if strict else ""
     return f"{cut}; or raise --rto-budget (now {fmt(fields.get('budget_s'))}){tail}"

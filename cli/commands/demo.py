@@ -20,8 +20,8 @@ from typing import Any
 import typer
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
-from ckptrun.cli.recovery import STARTUP_PARTS
-from ckptrun.cli.rundir import RUNS_ROOT
+from ckptrun.cli.supervision.recovery import STARTUP_PARTS
+from ckptrun.cli.supervision.rundir import RUNS_ROOT
 from ckptrun.runtime.records import final_losses, read_events, same_float
 
 FAULT = "kill:rank=1:step=17"

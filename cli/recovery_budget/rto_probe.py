@@ -1,12 +1,12 @@
 """Child processes that ``ckptrun estimate-rto`` times: a no-op rank, and a snapshot load with no user code.
 
-Usage (never typed by people; :mod:`ckptrun.cli.rto_measure` starts them):
+Usage (never typed by people; :mod:`ckptrun.cli.recovery_budget.rto_measure` starts them):
 
-* ``python -m ckptrun.cli.rto_probe noop READY_DIR`` — a rank that does what
+* ``python -m ckptrun.cli.recovery_budget.rto_probe noop READY_DIR`` — a rank that does what
   every relaunched rank does before the user's code matters: start, import
   torch and the runtime, join the process group (under torchrun), then write
   ``READY_DIR/rank-R`` with the time and wait to be torn down.
-* ``python -m ckptrun.cli.rto_probe load SNAPSHOT_DIR`` — read and
+* ``python -m ckptrun.cli.recovery_budget.rto_probe load SNAPSHOT_DIR`` — read and
   deserialise one snapshot the way a restoring rank does (the runtime's own
   loader: DCP through the restricted reader, ``torch.load(weights_only=True)``,
   JSON), into tensors allocated from the snapshot's metadata; print one JSON
@@ -65,7 +65,7 @@ def load(snapshot_dir: Path) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("noop", "load"):
-        print("usage: python -m ckptrun.cli.rto_probe (noop READY_DIR | load SNAPSHOT_DIR)", file=sys.stderr)
+        print("usage: python -m ckptrun.cli.recovery_budget.rto_probe (noop READY_DIR | load SNAPSHOT_DIR)", file=sys.stderr)
         return 2
     return noop(Path(argv[1])) if argv[0] == "noop" else load(Path(argv[1]))
 

@@ -1,6 +1,6 @@
 """Per-rank failure facts of one attempt, as torchrun recorded them — never scraped from logs.
 
-``ckptrun.cli.agent`` runs torchrun and, when it raises ``ChildFailedError``,
+``ckptrun.cli.supervision.agent`` runs torchrun and, when it raises ``ChildFailedError``,
 writes ``failures.json`` in the attempt's log directory from
 ``ChildFailedError.failures``: each failed rank's exit code or signal and the
 contents of its error file (the exception and traceback the worker bootstrap

@@ -13,8 +13,9 @@ from ckptrun.cli.errors import EXIT_NO, EXIT_UNRECOVERABLE
 from ckptrun.runtime.records import Heartbeat
 
 if TYPE_CHECKING:
-    from ckptrun.cli.supervisor import Observation
+    from ckptrun.cli.supervision.observation import Observation
 
+STACK_WAIT_S = 3.0  # longest wait for a hung rank's stack dump (SIGUSR2) before teardown
 FATAL_CODES = (1, 2, 4)  # a worker's fatal record may ask for these exit codes; anything else means 4
 
 

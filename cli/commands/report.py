@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
+from ckptrun.cli.commands.status import check_run_dir, read_spec, run_state, step_budget
 from ckptrun.cli.durations import format_duration
 from ckptrun.cli.errors import EXIT_OK, CkptrunError, command
-from ckptrun.cli.rundir import RunPaths, holder
-from ckptrun.cli.status import check_run_dir, read_spec, run_state, step_budget
-from ckptrun.cli.verify import human_bytes
+from ckptrun.cli.humanize import human_bytes
+from ckptrun.cli.supervision.rundir import RunPaths, holder
 from ckptrun.runtime import records
 from ckptrun.runtime.records import same_float
 

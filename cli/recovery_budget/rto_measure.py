@@ -12,7 +12,7 @@
   stopping there (``exit_after_restore``), or, for a bare checkpoint
   directory, N processes loading it with the runtime's loader and no user code.
 
-torch runs only in child processes (:mod:`ckptrun.cli.rto_probe`, the user's
+torch runs only in child processes (:mod:`ckptrun.cli.recovery_budget.rto_probe`, the user's
 script). Importable without torch.
 """
 
@@ -29,17 +29,16 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptrun.cli.errors import EXIT_NO, CkptrunError
+from ckptrun.cli.supervision.attempt import AttemptProcess, default_job, torchrun_args, torchrun_command
+from ckptrun.cli.supervision.spec import LaunchSpec
 from ckptrun.runtime import records
 from ckptrun.runtime.env import PREFIX, RunEnv, variable
 from ckptrun.runtime.hashing import CHUNK, new_hasher
 from ckptrun.runtime.manifest import Manifest
 from ckptrun.runtime.verify import default_threads, verify_snapshot
-
-if TYPE_CHECKING:
-    from ckptrun.cli.spec import LaunchSpec
 
 SAMPLE_BYTES = 256 << 20  # verify a snapshot whole up to this size, else a sample this big
 
@@ -197,9 +196,7 @@ def _child_env(run_env: RunEnv | None = None, run_id: str | None = None) -> dict
     return env
 
 
-def _spec_for(spec: "LaunchSpec | None", world: int) -> "LaunchSpec":
-    from ckptrun.cli.spec import LaunchSpec
-
+def _spec_for(spec: LaunchSpec | None, world: int) -> LaunchSpec:
     base = spec.model_copy() if spec is not None else LaunchSpec()
     base.nproc_per_node, base.master_port = str(world), None
     return base
@@ -212,16 +209,13 @@ class NoopTimes:
     world: int
 
 
-def noop_attempt(world: int, spec: "LaunchSpec | None", timeout: float = 120.0) -> NoopTimes:
+def noop_attempt(world: int, spec: LaunchSpec | None, timeout: float = 120.0) -> NoopTimes:
     """Start a torchrun tree of ``world`` no-op ranks like an attempt, wait until all are ready, tear it down."""
-    from ckptrun.cli.attempt import AttemptProcess, torchrun_command
-    from ckptrun.cli.world import torchrun_args
-
     run_id = f"rto-noop-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="ckptrun-rto-") as scratch:
         work = Path(scratch)
         command = torchrun_command(work / "failures.json", torchrun_args(_spec_for(spec, world), work / "logs"),
-                                   ["-m", "ckptrun.cli.rto_probe", "noop", str(work / "ready")])
+                                   ["-m", "ckptrun.cli.recovery_budget.rto_probe", "noop", str(work / "ready")])
         attempt = AttemptProcess(command, _child_env(run_id=run_id), work / "console.log")
         try:
             ready = _wait_ready(attempt, work / "ready", world, timeout)
@@ -266,16 +260,12 @@ class ProbeTimes:
     detail: str
 
 
-def probe_run(spec: "LaunchSpec", run_id: str, snapshot: Path, world: int, attempt_no: int, timeout: float) -> ProbeTimes:
+def probe_run(spec: LaunchSpec, run_id: str, snapshot: Path, world: int, attempt_no: int, timeout: float) -> ProbeTimes:
     """Re-run the run's script on ``world`` ranks restoring ``snapshot``, stopped right after the restore.
 
     The probe's records go to a temporary run directory and its own empty
     checkpoint directory; the real snapshot is only read.
     """
-    from ckptrun.cli.attempt import AttemptProcess, torchrun_command
-    from ckptrun.cli.runner import default_job
-    from ckptrun.cli.world import torchrun_args
-
     target = [str(spec.script or default_job()), *spec.script_args]
     probe_id = f"{run_id}-rto-probe-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="ckptrun-rto-probe-") as scratch:
@@ -306,7 +296,7 @@ def probe_run(spec: "LaunchSpec", run_id: str, snapshot: Path, world: int, attem
 
 def probe_checkpoint(snapshot: Path, world: int, timeout: float) -> ProbeTimes:
     """``world`` processes at once, each loading the snapshot as a restoring rank does, with no user code."""
-    command = [sys.executable, "-m", "ckptrun.cli.rto_probe", "load", str(snapshot)]
+    command = [sys.executable, "-m", "ckptrun.cli.recovery_budget.rto_probe", "load", str(snapshot)]
     started = time.time()
     children = [subprocess.Popen(command, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for _ in range(world)]

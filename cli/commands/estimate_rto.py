@@ -1,0 +1,125 @@
+"""``ckptrun estimate-rto PATH``: how long recovery from a failure takes, and what a failure costs.
+
+RTO = detect + teardown + verify + backoff + restart: from the moment a rank
+dies to the first optimizer step after the restore. The expected cost of a
+failure adds the work redone: RTO + (τ + δ)/2 + w. Each component comes with
+its source (this run's history, measured now, estimated from measurements,
+configured, or assumed — naming the assumption); see
+:mod:`ckptrun.cli.recovery_budget.rto_components`. With ``--mtbf`` the report adds goodput and
+the checkpoint interval Daly's formula recommends (Young's beside it); with
+``--budget`` the exit code says whether the RTO (or, with
+``--budget-includes-lost-work``, the cost per failure) fits, naming the part
+to cut when it does not. The job need not be running; the real run's records
+and snapshots are only read. torch is imported only by ``--probe``'s child
+processes and the no-op launch. Exit 0 within budget (or no budget), 1 over
+budget or when a probe shows the restore fails, 2 when PATH holds nothing to
+estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ckptrun.cli.durations import DurationError, format_duration, parse_duration
+from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
+from ckptrun.cli.humanize import human_bytes
+from ckptrun.cli.recovery_budget.estimate import build_report, check_budget, find_target
+from ckptrun.cli.supervision.recovery import CUT
+
+
+@command
+def estimate_rto(
+    path: Path = typer.Argument(..., metavar="PATH", help="Run directory or checkpoint directory."),
+    mtbf: str | None = typer.Option(None, "--mtbf", metavar="DURATION", help="Mean time between failures of the job (e.g. 3h): adds goodput and the recommended save interval."),
+    budget: str | None = typer.Option(None, "--budget", metavar="DURATION", help="Exit 1 when the RTO exceeds this (e.g. 90s), naming the part to cut."),
+    budget_includes_lost_work: bool = typer.Option(False, "--budget-includes-lost-work", help="Compare the cost per failure (RTO + lost work) with --budget instead."),
+    probe: bool = typer.Option(False, "--probe", help="Measure the restart for real: the run's script restores the newest snapshot and stops (a bare checkpoint dir: load it, no user code)."),
+    nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", min=1, metavar="N", help="World size for probes and the no-op launch. [default: the snapshot's]"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout instead of a table."),
+) -> int:
+    """Estimate the recovery time (RTO) of a run and the cost of a failure, each part with its source.
+
+    \b
+    Durations: 1ms, 90s, 5m, 3h, 2d, 1h30m, or bare seconds.
+    Examples:
+      ckptrun estimate-rto runs/demo
+      ckptrun estimate-rto runs/demo --mtbf 6h --budget 2m
+      ckptrun estimate-rto runs/demo/checkpoints --probe --json
+    """
+    mtbf_s, budget_s = _duration("--mtbf", mtbf), _duration("--budget", budget)
+    if budget_includes_lost_work and budget_s is None:
+        raise CkptrunError("--budget-includes-lost-work needs --budget", "add --budget DURATION (e.g. --budget 5m)")
+    target = find_target(path)
+    world = nproc_per_node or target.manifest.world_size  # another than the snapshot's: the probe reshards
+    document = build_report(target, probe, world, mtbf_s)
+    verdict = check_budget(document, budget_s, budget_includes_lost_work)
+    if as_json:
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    else:
+        print_report(document)
+    if verdict is not None and not verdict["ok"]:
+        raise CkptrunError(verdict["message"], CUT[verdict["largest"]], EXIT_NO)
+    return EXIT_OK
+
+
+def _duration(flag: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        seconds = parse_duration(text)
+    except DurationError as exc:
+        raise CkptrunError(f"{flag} {exc}", f"for example {flag} 90s, 5m or 3h") from None
+    if seconds <= 0:
+        raise CkptrunError(f"{flag} {text!r} must be longer than zero", f"for example {flag} 90s, 5m or 3h")
+    return seconds
+
+
+# --- text output ------------------------------------------------------------------------
+
+
+def print_report(document: dict[str, Any]) -> None:
+    snap = document["snapshot"]
+    out = [f"{document['kind']} {document['path']}: snapshot step {snap['step']}, {human_bytes(snap['bytes'])}, "
+           f"{snap['world_size']} rank(s)", ""]
+    rows = [("COMPONENT", "SECONDS", "SOURCE", "DETAIL")]
+    rows += [(name, _seconds(c["value_s"]), c["source"], c["detail"]) for name, c in document["components"].items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    out += [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip() for r in rows]
+    totals = document["totals"]
+    out += ["", f"RTO {_seconds(totals['rto_s'])} s = detect + teardown + verify + backoff + restart "
+                f"(after a hang: {_seconds(totals['rto_hang_s'])} s)",
+            f"cost per failure {_seconds(totals['cost_per_failure_s'])} s = RTO + (τ + δ)/2 + w"]
+    out += _mtbf_lines(document)
+    budget = document.get("budget")
+    if budget:
+        what = "cost per failure" if budget["includes_lost_work"] else "RTO"
+        state = "within" if budget["ok"] else "OVER"
+        out.append(f"budget {format_duration(budget['limit_s'])}: {what} {format_duration(budget['figure_s'])} is {state} "
+                   f"budget (largest part: {budget['largest']})")
+    sys.stdout.write("\n".join(out) + "\n")
+
+
+def _mtbf_lines(document: dict[str, Any]) -> list[str]:
+    mtbf = document["mtbf_s"]
+    if not mtbf:
+        return []
+    lines = [f"with MTBF {format_duration(mtbf)}: goodput "
+             + (f"{document['goodput']:.5f}" if document["goodput"] is not None else "unknown (save interval unknown)")]
+    advice = document["recommendation"]
+    if advice is None:
+        return lines + ["recommended save interval: unknown (no save cost recorded)"]
+    steps = f" ≈ {advice['interval_steps']:.0f} steps" if advice["interval_steps"] else ""
+    gain = f", goodput there {advice['goodput']:.5f}" if advice["goodput"] is not None else ""
+    return lines + [f"recommended save interval (Daly): {format_duration(advice['interval_s'])}{steps} "
+                    f"(Young: {format_duration(advice['young_s'])}; δ {format_duration(advice['stall_s'])}){gain}"]
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "?"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
