@@ -1,12 +1,14 @@
 """ckptrun's benchmark suite: every figure against a baseline measured in the same run.
 
-    python bench/run.py --quick     # one small state, 5 repeats, < 3 minutes on 2 cores
+    python bench/run.py --quick     # one small state, 5 repeats, ~5 minutes on 2 cores
     python bench/run.py --full      # ~256 MiB and ~1 GiB of model + AdamW state
 
-Prints one table per state size and the goals of issue 6 (ratio, PASS/MISS) on
-stdout, narrates progress on stderr, and writes every figure (median, min, max,
-samples, cache state, world size) to bench/results/latest.json. See
-bench/README.md for what each key means.
+Prints one table per state size and the goals of issue 6 (ratio, PASS/MISS),
+then issue 13's table (every figure a ratio from this run, with its goal) and
+the per-step runtime work part by part, on stdout; narrates progress on
+stderr, and writes every figure (median, min, max, samples, cache state,
+world size) to bench/results/latest.json. See bench/README.md for what each
+key means.
 """
 
 from __future__ import annotations
@@ -118,6 +120,32 @@ def print_table(title: str, figures: dict[str, Figure], verdicts: list[dict[str,
             print(f"{v['goal']:70} {ratio:>8} {v['limit']:>6g}  {v['verdict']} {v['detail']}")
 
 
+def issue_13_table(label: str, figures: dict[str, Figure]) -> list[dict[str, Any]]:
+    """Issue 13's goals over one state size's figures and the size-independent ones."""
+    import goals
+
+    print(f"\n== issue 13: every figure a ratio measured in this run ({label} state for the snapshot rows)")
+    verdicts = goals.evaluate(figures, goals.ISSUE_13)
+    print(f"{'goal':76} {'ratio':>8} {'limit':>6}  verdict")
+    for v in verdicts:
+        ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
+        print(f"{v['goal']:76} {ratio:>8} {v['limit']:>6g}  {v['verdict']} {v['detail']}")
+    return verdicts
+
+
+def print_breakdown(figures: dict[str, Figure]) -> None:
+    """The per-step runtime work, part by part (2 ranks, the timed pass of step_work.py)."""
+    import runtime_overhead
+
+    if "runtime_per_step_s" not in figures or figures["runtime_per_step_s"].error:
+        return
+    total, step = figures["runtime_per_step_s"].median, figures["template_step_w2_s"].median
+    print(f"\n== per-step runtime work: {total * 1e6:.1f}us per step = {total / step:.2%} of a {step * 1e3:.2f}ms template step (2 ranks)")
+    print(f"{'part':20} {'per step':>10} {'share':>7}")
+    for part in (*runtime_overhead.PARTS, "other"):
+        print(f"{part:20} {_num(figures[f'step_part_{part}_s'].median, 's'):>10} {figures[f'share_{part}'].median:>7.1%}")
+
+
 def git_version() -> str:
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=HERE,
@@ -135,11 +163,12 @@ def main() -> int:
     parser.add_argument("--sizes", help="comma-separated state sizes in MiB, instead of the mode's")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "latest.json")
     parser.add_argument("--scratch", type=Path, default=HERE / "results" / "scratch", help="where snapshots are written")
+    parser.add_argument("--runtime-only", action="store_true", help="only the size-independent figures (start-up, runtime overhead)")
     args = parser.parse_args()
 
     config = dict(MODES[args.mode])
     repeats = args.repeats or config["repeats"]
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else config["sizes"]
+    sizes = [] if args.runtime_only else [int(s) for s in args.sizes.split(",")] if args.sizes else config["sizes"]
     warnings.filterwarnings("ignore")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     started, load_start = time.time(), load_average()
@@ -162,6 +191,19 @@ def main() -> int:
             tables.append((f"{mib} MiB", figures))
             results["sizes"][f"{mib}MiB"] = {**meta, "figures": figures}
         global_figures = measure_global(repeats, config["template_steps"], args.scratch, all_reduce)
+        if args.mode == "full":  # ~4 min: kill -> first step under ckptrun, ft_launcher and torchrun (peer_restart.py)
+            import peer_restart
+
+            narrate("restart side by side: ckptrun vs ft_launcher vs torchrun, 5 interleaved rounds")
+            global_figures.update(peer_restart.figures(rounds=5))
+            import object_store  # ~1 min: 64 MiB save/restore against a local moto S3 server vs the local disk
+
+            narrate("object store: save and restore of 64 MiB to a local S3 server (moto) vs the local disk")
+            global_figures.update(object_store.figures(args.scratch / "object-store", repeats))
+            import memory_tier  # ~4 min: one kill with and without --memory-every-steps: lost steps, RTO (memory_tier.py)
+
+            narrate("memory tier: lost steps and RTO for a kill, with and without it, 3 interleaved rounds")
+            global_figures.update(memory_tier.figures(args.scratch / "memory-tier", repeats=3))
     finally:
         shutil.rmtree(args.scratch, ignore_errors=True)
     tables.append(("size-independent", global_figures))
@@ -179,6 +221,15 @@ def main() -> int:
           f"{results['load_avg_end']} at end; {results['seconds']:.0f} s; torch {torch.__version__}, {os.cpu_count()} CPUs")
     for label, figures in tables:
         print_table(label, figures, results["sizes"][label.replace(" ", "")]["goals"] if label != "size-independent" else results["global"]["goals"])
+    results["issue13"] = {}
+    for label, figures in tables[:-1] or [("no", {})]:  # --runtime-only: the size-independent rows alone
+        combined = {**figures, **global_figures}
+        least = goals.least_dcp_slowdown(figures)
+        if least is not None:
+            combined["dcp_least_train_slowdown"] = least
+        results["issue13"][label.replace(" ", "")] = issue_13_table(label, combined)
+    print_breakdown(global_figures)
+    args.out.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {args.out}")
     return 0
 

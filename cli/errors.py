@@ -22,6 +22,8 @@ Exit codes, the same for every command:
     4     failed in a way a restart cannot fix: failure before the first
           step, a config change refused on resume, anomaly stop, no
           progress across restarts
+    5     requeue (many nodes): this node lost the job's leader; resumable
+          like 3: the scheduler restarts the job, ``resume --latest`` continues
     101   a bug in ckptrun (the traceback is printed)
     ====  ===============================================================
 
@@ -41,6 +43,7 @@ EXIT_NO = 1
 EXIT_REFUSED = 2
 EXIT_STOPPED = 3
 EXIT_UNRECOVERABLE = 4
+EXIT_REQUEUE = 5
 EXIT_BUG = 101
 EXIT_INTERRUPTED = 130
 
@@ -50,6 +53,7 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_REFUSED, "refused before anything ran: bad flag or config, missing file, busy run"),
     (EXIT_STOPPED, "stopped and resumable: `ckptrun resume --latest` continues"),
     (EXIT_UNRECOVERABLE, "failed in a way a restart cannot fix (e.g. before the first step)"),
+    (EXIT_REQUEUE, "requeue: this node lost the job's leader; resumable, the scheduler restarts the job"),
     (EXIT_BUG, "a bug in ckptrun (the traceback is printed)"),
 )
 

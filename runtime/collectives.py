@@ -82,9 +82,33 @@ def new_group() -> Any:
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few float64 values over ranks in one collective (the per-step shared decisions)."""
-    if not active():
-        return list(values)
+    """Sum a few float64 values over ranks in one collective, waiting for it (e.g. the fp16 skip flag)."""
+    return start_sum(values).result()
+
+
+class PendingSum:
+    """A sum over ranks started now and read later: ``result()`` waits for it (by then it is usually done)."""
+
+    def __init__(self, values: list[float], tensor: torch.Tensor | None = None, work: Any = None) -> None:
+        self._values, self._tensor, self._work = values, tensor, work
+
+    def arrived(self) -> bool:
+        """Whether :meth:`result` would return at once."""
+        return self._work is None or self._work.is_completed()
+
+    def result(self) -> list[float]:
+        if self._work is not None:
+            self._work.wait()
+            self._values, self._work = self._tensor.tolist(), None  # type: ignore[union-attr]
+        return self._values
+
+
+def start_sum(values: list[float]) -> PendingSum:
+    """Start summing a few float64 values over ranks (gloo, in the background); a world of one sums nothing.
+
+    Every rank must start the same sums in the same order; reading a result needs no peer, so
+    one rank may read early. Sums of one value are the value itself, bit for bit (float64)."""
+    if not active() or dist.get_world_size() == 1:
+        return PendingSum([float(v) for v in values])
     tensor = torch.tensor(values, dtype=torch.float64, device=CPU)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.tolist()
+    return PendingSum(values, tensor, dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))

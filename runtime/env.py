@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 PREFIX = "CKPTRUN_"
 PrecisionMode = Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"]
@@ -23,6 +23,19 @@ NOT_IMPLEMENTED = {
             "ckptrun will not run bf16 under the fp8 label", "use --precision bf16"),
 }
 HashAlgorithm = Literal["sha256", "blake3"]
+
+
+def _memory_cadence(value: Any) -> Any:
+    """``--memory-every-steps``: a number of steps (0: off) or ``auto``; the message says which."""
+    text = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if text == "auto":
+        return "auto"
+    if text is None or not text.isdigit():
+        raise ValueError("must be a number of steps >= 0 (0: off) or auto")
+    return int(text)
+
+
+MemoryCadence = Annotated[int | Literal["auto"], BeforeValidator(_memory_cadence)]
 
 
 class EnvError(ValueError):
@@ -37,6 +50,9 @@ class RunEnv(BaseModel):
     run_id: str = Field("local", description="Names the run; every manifest carries it.")
     run_dir: Path = Field(Path("runs/local"), description="Run directory (contract C3).")
     ckpt_dir: Path | None = Field(None, description="Snapshot directory; default RUN_DIR/checkpoints.")
+    ckpt_url: str | None = Field(None, description="Object-store URL (s3://…, any fsspec URL) every snapshot is uploaded to and committed in; ckpt_dir is then its local copy.")
+    local_cache: bool = Field(False, description="With ckpt_url: ckpt_dir is a restore tier kept by its own retention; else staging, emptied after each upload.")
+    storage_options: str | None = Field(None, description="fsspec options for ckpt_url, a JSON object (--storage-option); credentials come from the environment.")
     attempt: int = Field(1, ge=1, description="1 for the first attempt, +1 per restart.")
     supervised: bool = Field(False, description="True under `ckptrun launch`: the supervisor picks and verifies the snapshot.")
     supervisor_pid: int | None = Field(None, description="Workers exit when this process is gone.")
@@ -51,6 +67,9 @@ class RunEnv(BaseModel):
     keep_last: int = Field(3, ge=1, description="Verified snapshots of the lineage kept besides milestones.")
     keep_every: int | None = Field(None, ge=1, description="Snapshots at multiples of M steps are milestones, never deleted.")
     paranoid_retention: bool = Field(False, description="Before retention deletes, re-hash the newest snapshot read past the page cache (default: manifest + sizes).")
+    memory_dir: Path | None = Field(None, description="Node-local tmpfs directory (/dev/shm) the supervisor owns and deletes: memory-tier snapshots; None: no memory tier.")
+    memory_every_steps: MemoryCadence = Field(0, description="A memory-tier snapshot every N steps (0: off; auto: the cadence that keeps its cost near 1% of training).")
+    memory_keep: int = Field(2, ge=1, description="Memory-tier snapshots kept (each a full copy of the node's state in RAM, plus one being written).")
     async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
     save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")
     max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that stop the run (exit 1).")

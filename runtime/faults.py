@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore")
-SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish")
+SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish", "upload", "before-commit")  # the last two: object-store saves
 
 
 class FaultSpecError(ValueError):

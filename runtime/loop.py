@@ -10,13 +10,14 @@ runs first and its effects (a per-epoch scheduler step, an eval) are in the
 snapshot. A ``ckr.DataLoader`` at the end of its epoch is not a boundary: the
 epoch's closing code runs first, and the next epoch starts clean. A loop with
 no such boundary (its own loader and ``end_step``) saves and stops inside
-``end_step``.
+``end_step``. The end of either loop reads the last step's shared facts
+(:mod:`step_end`): an anomaly in its loss can still roll back and train on.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from ckptrun.runtime.preflight import probe_of
 from ckptrun.runtime.reshard import note_global_batch
@@ -35,8 +36,10 @@ class LoopShapes:
     world_size: int
     objects: dict[str, Any]
 
-    def _close_step(self) -> None: ...
-    def _refuse(self, message: str, code: int = ..., fatal: bool = ...) -> None: ...
+    if TYPE_CHECKING:  # provided by the other parts of Run; stubs here would shadow them in the MRO
+        def _close_step(self) -> None: ...
+        def _rolled_back_at_end(self) -> bool: ...
+        def _refuse(self, message: str, code: int = ..., fatal: bool = ...) -> None: ...
 
     def batches(self, loader: Any, steps: int, accumulate: int = 1, global_batch: int | None = None) -> Iterator[Any]:
         """Yield one batch (or a list of ``accumulate`` micro-batches) per optimizer step until ``steps``.
@@ -49,7 +52,7 @@ class LoopShapes:
         self.total_steps = steps
         accumulate = self._accumulation(loader, accumulate, global_batch)
         iterator, empty_epochs = None, 0
-        while self.step < steps:
+        while self.step < steps or self._rolled_back_at_end():  # the last step's loss may still roll back
             self._boundary()
             if probe is not None:
                 probe.boundary(self.step, self.env.attempt, self.objects)
@@ -87,7 +90,7 @@ class LoopShapes:
         loader = self.objects.get("loader")
         if hasattr(loader, "saved_global_batch"):
             note_global_batch(self, loader)
-        while self.epoch < count:
+        while self.epoch < count or self._rolled_back_at_end():
             self._boundary(per_step=False)
             yield self.epoch
             self.epoch += 1

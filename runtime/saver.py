@@ -10,6 +10,8 @@ interleave with the step's collectives; publish waits until every rank's
 write has finished, agreed over that group. At most one save is
 in flight: a save due while one runs waits for it (or, with ``overlap="skip"``,
 is skipped), with an event either way. ``sync`` runs the same code inline.
+With an object store, the background writer also uploads each published
+snapshot and commits it there (:mod:`remote_publish`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 
 from ckptrun.runtime import collectives, store
 from ckptrun.runtime.dcp_io import owned_keys
+from ckptrun.runtime.remote_publish import upload
+from ckptrun.runtime.remote_store import FsspecStore
 from ckptrun.runtime.snapshot import FaultHook, SaveResult, SnapshotInfo, State, persist_and_publish
 from ckptrun.runtime.staging import Stager, local_bytes
 
@@ -48,8 +52,10 @@ def _lower_priority() -> None:
 class Saver:
     """Owns the staging buffers, the snapshot process group and the background writer."""
 
-    def __init__(self, ckpt_dir: Path, algorithm: str, asynchronous: bool, overlap: str = "wait") -> None:
+    def __init__(self, ckpt_dir: Path, algorithm: str, asynchronous: bool, overlap: str = "wait",
+                 remote: FsspecStore | None = None, keep_local: bool = True) -> None:
         self.ckpt_dir, self.algorithm, self.asynchronous, self.overlap = ckpt_dir, algorithm, asynchronous, overlap
+        self.remote, self.keep_local = remote, keep_local  # an object store: each save is uploaded after its local publish
         self.group = collectives.new_group()
         self.stager = Stager()
         self.pool = ThreadPoolExecutor(1, "ckptrun-persist", initializer=_lower_priority) if asynchronous else None
@@ -97,6 +103,8 @@ class Saver:
             result = replace(persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group),
                              stall_s=stall, waited_s=waited, asynchronous=self.asynchronous,
                              staging_allocated_bytes=allocated, rss_after_stage_bytes=rss)
+            if result.ok and self.remote is not None:
+                result = upload(result, temp_dir, self.remote, self.keep_local, fault, self.group)
             fault("done")
             if result.ok:
                 self.last_bytes = result.bytes

@@ -4,8 +4,9 @@ A :class:`Run` owns the tracked state (model, optimizer, scheduler, scaler,
 EMA, data loader, anything with ``state_dict``), the step counter, the save
 cadence and the per-step decisions all ranks must share. Those decisions —
 save now (clock-based, rank 0's clock), stop now (a stop request seen by any
-rank) — ride on one small all-reduce together with the step's loss, so ranks
-never disagree and the cost is one collective of four numbers per step.
+rank) — ride on one small all-reduce together with the step's loss, started
+at the end of a step and read at the end of the next (:mod:`step_end`,
+:mod:`decisions`), so ranks never disagree and no step waits for it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ckptrun.runtime import collectives, hparams, records, reshard, rng, snapshot, stepper, store, timeline, train_state
+from ckptrun.runtime import collectives, hparams, records, reshard, rng, snapshot, stepper, store, tiering, timeline, train_state
 from ckptrun.runtime.anomaly import AnomalyDetector
 from ckptrun.runtime.data import DataLoader
 from ckptrun.runtime.env import RunEnv
@@ -30,10 +31,13 @@ from ckptrun.runtime.fault_injection import FaultInjector
 from ckptrun.runtime.faults import parse_faults
 from ckptrun.runtime.liveness import Heartbeater
 from ckptrun.runtime.loop import LoopShapes, untracked_loader_in_use
+from ckptrun.runtime.step_end import StepEnd
 from ckptrun.runtime.policies import AutoCadence, FailedSaves, Retention, SaveCadence, refused_changes
+from ckptrun.runtime.remote_store import open_store
 from ckptrun.runtime.retention import apply_retention
 from ckptrun.runtime.precision import Policy
 from ckptrun.runtime.saver import Saver
+from ckptrun.runtime.memory_tier import MemoryTier
 from ckptrun.runtime.precision_report import REPORT, DtypeRecorder, write_report
 from ckptrun.runtime.verify import newest_verified
 from ckptrun.runtime.wrappers import unwrap as _unwrap
@@ -54,7 +58,7 @@ def _code_version() -> str:
         return ""
 
 
-class Run(LoopShapes):
+class Run(LoopShapes, StepEnd):
     """State, counters and policy of one training process. Create it with :func:`init`."""
 
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
@@ -85,7 +89,10 @@ class Run(LoopShapes):
         self.faults = FaultInjector(parse_faults(env.fault), self.rank, env.attempt, self.run_dir)
         self.faults.arm_timers()
         self.heart = Heartbeater(self.run_dir, self.rank, env.attempt, env.heartbeat_interval)
-        self.saver = Saver(self.ckpt_dir, env.hash_algorithm, env.async_save, env.save_overlap)
+        self.saver = Saver(self.ckpt_dir, env.hash_algorithm, env.async_save, env.save_overlap,
+                           remote=open_store(env.ckpt_url, env.storage_options) if env.ckpt_url else None,
+                           keep_local=env.local_cache)
+        self.memory = MemoryTier(env, self.run_dir)  # off unless the supervisor named a memory directory
         self.published: str | None = None
         self.save_budget_spent: str | None = None
         self.code_version = _code_version()
@@ -93,7 +100,8 @@ class Run(LoopShapes):
         self.world_history = reshard.history(None, self.world_size, 0)
         self.parent: str | None = None
         self.last_save_time = time.monotonic()
-        self.last_step_time = time.monotonic()
+        self._stop_path = str(self.run_dir / "stop")  # checked every step: os.access is the cheapest test
+        self._start_step_end(self.world_size)
         self.saved_step: int | None = None
         self.restored_from: Path | None = None
 
@@ -117,7 +125,9 @@ class Run(LoopShapes):
                 obj.register_step_pre_hook(self._note_lr)
             if isinstance(obj, torch.optim.Optimizer):
                 self.saver.guard(obj)
+                self.memory.guard(obj)
             self.objects[name] = obj
+        self._loaders = [obj for obj in self.objects.values() if isinstance(obj, DataLoader)]
 
     def _note_lr(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._lr_used = float(optimizer.param_groups[0]["lr"])
@@ -159,13 +169,16 @@ class Run(LoopShapes):
                 continue
             self._apply(loaded)
             self.restored_from, self.parent, self.saved_step = chosen, chosen.name, self.step
+            if self.memory.holds(chosen):  # not durable: the next save's parent is its durable one, and a stop saves
+                self.parent, self.saved_step = loaded.manifest.parent, None
             if self.rank == 0:
                 records.log_event(self.run_dir, "probe_restored" if self.env.exit_after_restore else "restored",
                                   attempt=self.env.attempt, snapshot=str(chosen), step=self.step,
                                   seconds=time.monotonic() - started, bytes=loaded.manifest.total_bytes,
                                   since_process_start=time.time() - _process_start_time(),
                                   startup={"process": _process_start_time(), **timeline.MARKS},
-                                  verified_by="supervisor" if self.env.resume_from else "runtime")
+                                  verified_by="supervisor" if self.env.resume_from else "runtime",
+                                  tier="memory" if self.memory.holds(chosen) else "disk")
             if self.env.exit_after_restore:
                 self._exit_quietly(0)
             return self.step
@@ -185,7 +198,11 @@ class Run(LoopShapes):
     def _newest_verified(self, skipped: set[str]) -> Path | None:
         """Rank 0 verifies and picks, every rank gets its choice (ranks must agree on what they load)."""
         choice = None
-        if self.rank == 0:
+        if self.rank == 0 and self.saver.remote is not None:  # an object store: its manifests decide (runtime.tiering)
+            found = tiering.choose_for_worker(self.saver.remote, self.ckpt_dir, self.run_dir, skipped,
+                                              log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+            choice = str(found) if found else None
+        elif self.rank == 0:
             report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), skip=skipped)
             choice = str(report.path) if report else None
         choice = collectives.broadcast_object(choice)
@@ -258,7 +275,8 @@ class Run(LoopShapes):
     def train_step(self, micro_batches: Sequence[Any], forward: Callable[[Any], Any],
                    loss: Callable[[Any, Any], torch.Tensor] | None = None, max_norm: float | None = None,
                    metrics: Callable[[Any, Any], dict[str, Any]] | None = None) -> float:
-        """One optimizer step over ``micro_batches`` under the precision policy; returns the mean loss.
+        """One optimizer step over ``micro_batches`` under the precision policy; returns this rank's mean
+        loss over its micro-batches (``metrics.jsonl`` logs the mean over ranks, see :meth:`end_step`).
 
         ``forward(batch)`` runs under autocast; ``loss(outputs, batch)``, if given, runs
         outside it on fp32 outputs (else ``forward`` returns the loss itself).
@@ -289,6 +307,7 @@ class Run(LoopShapes):
 
     def _micro_fault(self, index: int) -> None:
         if self.faults.step_fault_due(self.step, index):
+            self._write_pending_line()
             self._settle_saves(wait=True)
             self.faults.inside_step(self.step, index)
 
@@ -306,93 +325,23 @@ class Run(LoopShapes):
         if ema is not None and hasattr(ema, "update_parameters"):
             ema.update_parameters(_unwrap(model))
 
-    def end_step(self, loss: float | torch.Tensor, skipped: bool = False, samples: int = 0, **metrics: Any) -> float:
-        """Close an optimizer step: share decisions, log, check anomalies, save on cadence, agree on stops.
-
-        A skipped step (fp16 overflow) is logged but does not advance the step counter.
-        ``metrics`` (e.g. ``accuracy=``) are logged with the step. The agreed save and stop
-        happen at the next step boundary (see :mod:`loop`), after the code that follows this
-        call, or here when the loop has no boundaries.
-        """
-        for obj in self.objects.values():
-            if isinstance(obj, DataLoader):
-                obj.commit()  # this step consumed what the loop was handed
-        missed = self._due is not None  # no boundary since the last step: close that one after this one
-        local = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        if self.faults.nan_loss(self.step):
-            local = float("nan")
-        wants_stop = float(self._stop_requested())
-        wants_save = float(self.rank == 0 and self.cadence.time_due(time.monotonic(), self.last_save_time))
-        self._settle_saves()
-        spent = float(self.save_budget_spent is not None)
-        loss_sum, stops, saves, give_up = collectives.all_reduce_sum([local, wants_stop, wants_save, spent])
-        if give_up > 0:
-            self._refuse(f"{self.save_budget_spent or 'saves failed on another rank'}; free disk space or fix the "
-                         "checkpoint dir, then `ckptrun resume --latest`", EXIT_FAILED)
-        mean_loss = loss_sum / self.world_size
-        self._log_step(self.step + 1, mean_loss, dict(metrics, skipped=skipped), samples)
-        if skipped:
-            return mean_loss
-        anomaly = self.anomalies.check(mean_loss)
-        if anomaly is not None and self._on_anomaly(anomaly):
-            return mean_loss
-        self.step += 1
-        self.heart.beat(self.step, "train")
-        stop, save = self._due or (False, False)
-        self._due = (stop or stops > 0, save or saves > 0 or self.cadence.step_due(self.step))
-        if missed or not self._defer:
-            self._close_step()
-        return mean_loss
-
-    def _close_step(self) -> None:
-        """What the ranks agreed at the last ``end_step``: stop (emergency snapshot, exit 3) or save; then step faults."""
-        stop, save = self._due or (False, False)
-        self._due = None
-        if stop:
-            self._stop()
-        if save and self.saved_step != self.step:  # the script may have called run.save() itself meanwhile
-            self.save()
-        if self.faults.step_fault_due(self.step):
-            self._settle_saves(wait=True)
-            self.faults.after_step(self.step)
-
-    def _log_step(self, step: int, loss: float, metrics: dict[str, Any], samples: int) -> None:
-        now = time.monotonic()
-        elapsed, self.last_step_time = now - self.last_step_time, now
-        if self.rank != 0:
-            return
-        record = {"step": step, "attempt": self.env.attempt, "loss": loss, "time": time.time(), "step_time_s": elapsed,
-                  "precision": self.precision.mode, "saving": self.saver.busy()}
-        if samples and elapsed > 0:
-            record["samples_per_s"] = samples / elapsed
-        optimizer = self.objects.get("optimizer")
-        if optimizer is not None:  # the rate this step used, not the one the scheduler set for the next
-            record["lr"] = self._lr_used if self._lr_used is not None else float(optimizer.param_groups[0]["lr"])
-        self._lr_used = None
-        loader = self.objects.get("loader")
-        if loader is not None and hasattr(loader, "global_batch"):
-            record["epoch"] = loader.epoch
-            record["samples_seen"] = loader.samples_seen
-        record.update({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in metrics.items() if v is not None})
-        records.log_metrics(self.run_dir, record)
-
     # --- anomalies ----------------------------------------------------------------
 
-    def _on_anomaly(self, reason: str) -> bool:
-        """Apply --on-anomaly; True when the step was rolled back (the counter must not advance)."""
+    def _on_anomaly(self, reason: str, step: int) -> bool:
+        """Apply --on-anomaly to step ``step``'s loss; True when the run was rolled back (its counters are the snapshot's)."""
         policy = self.env.on_anomaly
         if self.rank == 0:
-            records.log_event(self.run_dir, "anomaly", step=self.step + 1, reason=reason, policy=policy)
-            print(f"ckptrun: anomaly at step {self.step + 1}: {reason} (policy: {policy})", file=sys.stderr, flush=True)
+            records.log_event(self.run_dir, "anomaly", step=step, reason=reason, policy=policy)
+            print(f"ckptrun: anomaly at step {step}: {reason} (policy: {policy})", file=sys.stderr, flush=True)
         if policy == "stop":
-            self._refuse(f"anomaly at step {self.step + 1}: {reason}; stopped without saving the suspect state "
+            self._refuse(f"anomaly at step {step}: {reason}; stopped without saving the suspect state "
                          "(use --on-anomaly rollback to recover automatically)")
         if policy == "rollback":
-            self._rollback(reason)
+            self._rollback(reason, step)
             return True
         return False
 
-    def _rollback(self, reason: str) -> None:
+    def _rollback(self, reason: str, from_step: int) -> None:
         """Restore the previous verified snapshot in-process, fork the lineage, lower the LR, skip the data window."""
         if self.rollbacks >= self.env.max_rollbacks:
             self._refuse(f"anomaly after {self.rollbacks} rollbacks ({reason}); lower the learning rate or inspect the data")
@@ -402,7 +351,7 @@ class Run(LoopShapes):
             self._refuse(f"anomaly ({reason}) and no verified snapshot that loads to roll back to")
         loader = self.objects.get("loader")
         position = loader.state_dict() if loader is not None else None  # skip the window that caused it
-        from_step, (path, loaded) = self.step, found
+        path, loaded = found
         self._apply(loaded)
         if loader is not None:
             loader.load_state_dict(position)
@@ -415,13 +364,15 @@ class Run(LoopShapes):
         hparams.scale_lr(self.objects.get("optimizer"), self.objects.get("scheduler"), factor)
         self.anomalies.history.clear()
         if self.rank == 0:
-            records.log_event(self.run_dir, "rollback", from_step=from_step + 1, to_step=self.step, snapshot=str(path),
+            records.log_event(self.run_dir, "rollback", from_step=from_step, to_step=self.step, snapshot=str(path),
                               lr_factor=factor, rollbacks=self.rollbacks, reason=reason)
 
     # --- saving -----------------------------------------------------------------
 
     def save(self) -> None:
         """Snapshot the whole state at this step boundary; async saves return once the state is staged."""
+        if self._settle_decisions():  # the step's line and anomaly check come first (every rank is here)
+            return  # rolled back: the state is a verified snapshot's
         self.heart.beat(self.step, "save")
         self._check_loaders()
         step, started = self.step, time.monotonic()
@@ -441,6 +392,14 @@ class Run(LoopShapes):
         self.last_save_time = time.monotonic()
         self.saved_step, self.parent = step, store.snapshot_name(step)
         self._settle_saves(wait=not self.env.async_save)
+        self.heart.beat(self.step, "train")
+
+    def _memory_save(self) -> None:
+        """A memory-tier snapshot at this step boundary (the memory cadence agreed by step number)."""
+        if self._settle_decisions():  # the step's line and anomaly check first, as for a durable save
+            return
+        self.heart.beat(self.step, "save")
+        self.memory.save(self._collect(), self._info())
         self.heart.beat(self.step, "train")
 
     def _check_loaders(self) -> None:
@@ -463,18 +422,20 @@ class Run(LoopShapes):
                               staging_allocated_bytes=result.staging_allocated_bytes,
                               rss_after_stage_bytes=result.rss_after_stage_bytes,
                               staged_bytes_per_rank=list(result.staged_bytes_per_rank),
-                              staging_allocated_bytes_per_rank=list(result.allocated_bytes_per_rank))
+                              staging_allocated_bytes_per_rank=list(result.allocated_bytes_per_rank),
+                              remote=result.remote, upload_s=result.upload_s)
             if result.stale_of is not None:
                 records.log_event(self.run_dir, "stale_staging", step=result.step, same_as_step=result.stale_of)
                 print(f"ckptrun: warning: snapshot step {result.step} holds exactly the tensors of step {result.stale_of}: "
                       "stale staging, or training changed nothing", file=sys.stderr, flush=True)
-            apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention)
+            apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention, self.saver.remote)
         else:
             records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)
             print(f"ckptrun: SAVE FAILED at step {result.step}: {result.error}", file=sys.stderr, flush=True)
 
     def _settle_saves(self, wait: bool = False) -> None:
         """Account for finished saves: the parent of the next one, and the consecutive-failure budget."""
+        self.memory.settle(wait)
         for result in self.saver.collect(wait):
             if result.ok:
                 self.published = result.path.name  # type: ignore[union-attr]
@@ -518,7 +479,7 @@ class Run(LoopShapes):
     # --- stopping -------------------------------------------------------------
 
     def _stop_requested(self) -> bool:
-        return (self.run_dir / "stop").exists()
+        return os.access(self._stop_path, os.F_OK)
 
     def _stop(self) -> None:
         """Agreed stop: emergency snapshot at this boundary (unless just saved), wait for it, then exit 3."""
@@ -544,13 +505,17 @@ class Run(LoopShapes):
 
     def finish(self) -> None:
         """End of training: a final snapshot (unless this step is saved), completion event, leave the group."""
+        self._settle_decisions()  # the last step's line and anomaly check
+        self._carried = (False, False)  # a stop asked at the last step is moot: the run is complete
         if self._due is not None:  # the last step's save and faults; a stop asked then is moot: the run is complete
             self._due = (False, self._due[1])
             self._close_step()
         self._final_save()
         self.saver.close()
+        self.memory.close()
         if self.rank == 0:
             records.log_event(self.run_dir, "completed", step=self.step, attempt=self.env.attempt)
+        self.metrics_log.close()
         self.heart.beat(self.step, "done")
         if collectives.active():
             dist.barrier()

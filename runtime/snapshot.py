@@ -97,6 +97,8 @@ class SaveResult:
     allocated_bytes_per_rank: tuple[int, ...] = ()
     tensor_digest: str = ""  # one digest over every DCP data file: equal at two steps means nothing changed
     stale_of: int | None = None  # an earlier step whose tensor bytes this save repeats exactly (stale staging?)
+    remote: str | None = None  # the object-store prefix it was committed to (runtime.remote_publish)
+    upload_s: float = 0.0  # uploading and committing it there
 
 
 FaultHook = Callable[[str], None]

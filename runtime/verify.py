@@ -13,11 +13,14 @@ from stat import S_ISREG
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, read_manifest
 from ckptrun.runtime.store import Entry, Lineage, list_entries, read_lineage
+
+if TYPE_CHECKING:
+    from ckptrun.runtime.remote_store import FsspecStore, Prefix
 
 OK, CORRUPT, INCOMPLETE, IN_PROGRESS, VANISHED = "ok", "corrupt", "incomplete", "in-progress", "vanished"
 
@@ -26,7 +29,7 @@ OK, CORRUPT, INCOMPLETE, IN_PROGRESS, VANISHED = "ok", "corrupt", "incomplete", 
 class SnapshotReport:
     """The verdict on one snapshot directory."""
 
-    path: Path
+    path: Path | str  # a local directory, or the URL of an object-store prefix
     step: int
     status: str
     problems: list[str] = field(default_factory=list)
@@ -105,9 +108,11 @@ def verify_snapshot(
     progress: Callable[[int], None] | None = None,
     pool: ThreadPoolExecutor | None = None,
     uncached: bool = False,
+    share: tuple[int, int] = (0, 1),
 ) -> SnapshotReport:
     """Check one snapshot: manifest valid, every file present, right size and (unless quick) digest,
-    read past the page cache with ``uncached``."""
+    read past the page cache with ``uncached``. ``share=(i, n)``: only the listed files i, i+n, i+2n… (one
+    node's part of a verify spread over n nodes; share 0 also looks for unlisted files)."""
     step = _step_of(path)
     if not path.exists():
         return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"])
@@ -124,12 +129,13 @@ def verify_snapshot(
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(default_threads())
     try:
-        results = list(pool.map(lambda e: _check_file(path, e, quick, progress, uncached), manifest.files))
+        mine = manifest.files[share[0]::share[1]]
+        results = list(pool.map(lambda e: _check_file(path, e, quick, progress, uncached), mine))
     finally:
         if own_pool:
             pool.shutdown()
     report.problems += [problem for problem in results if problem]
-    report.problems += [f"{name}: not listed in the manifest" for name in _unlisted(path, manifest)]
+    report.problems += [f"{name}: not listed in the manifest" for name in (_unlisted(path, manifest) if share[0] == 0 else [])]
     report.problems += manifest.sharding_problems()
     if not path.exists():
         return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"], manifest)
@@ -207,3 +213,74 @@ def newest_verified(
                 return report
             log(f"skipping {entry.name} ({report.status}): {'; '.join(report.problems[:3])}")
     return None
+
+
+# --- object stores ---------------------------------------------------------------
+
+
+def verify_remote(remote: "FsspecStore", name: str, quick: bool = False, progress: Callable[[int], None] | None = None,
+                  prefixes: "list[Prefix] | None" = None, pool: ThreadPoolExecutor | None = None) -> SnapshotReport:
+    """Check one ``step-<N>-<id>/`` prefix: a manifest (the commit), every listed object present with its
+    size (from the listing) and, unless ``quick``, streamed and hashed to its digest; nothing unlisted."""
+    from ckptrun.runtime.remote_store import PREFIX_RE
+    from ckptrun.runtime.transfer import hash_object
+
+    listing = {p.name: p for p in (remote.prefixes() if prefixes is None else prefixes)}
+    where, match = remote.location(name), PREFIX_RE.match(name)
+    step, prefix = int(match.group(1)) if match else -1, listing.get(name)
+    if prefix is None:
+        return SnapshotReport(where, step, VANISHED, ["deleted while verifying (retention)"])
+    if not prefix.committed:
+        return SnapshotReport(where, step, IN_PROGRESS, ["no manifest: an upload in progress or interrupted (not published)"])
+    try:
+        manifest = remote.read_manifest(name)
+    except ManifestError as exc:
+        return SnapshotReport(where, step, CORRUPT, [str(exc)])
+    report = SnapshotReport(where, step, OK, manifest=manifest)
+    if manifest.step != step:
+        report.problems.append(f"manifest step {manifest.step} does not match prefix {name}")
+
+    def check(entry: FileEntry) -> str | None:
+        size = prefix.objects.get(entry.path)
+        if size is None:
+            return f"{entry.path}: missing"
+        if size != entry.size:
+            return f"{entry.path}: size {size} bytes, manifest says {entry.size}"
+        if quick:
+            return None
+        try:
+            size, digest = hash_object(remote, name, entry, progress)
+        except Exception as exc:  # noqa: BLE001 - any storage error makes the object unreadable
+            return f"{entry.path}: unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+        if size != entry.size or digest != entry.digest:
+            return f"{entry.path}: {entry.algorithm} {digest[:16]}…, manifest says {entry.digest[:16]}…"
+        return None
+
+    own_pool = pool is None
+    pool = pool or ThreadPoolExecutor(default_threads())
+    try:
+        report.problems += [problem for problem in pool.map(check, manifest.files) if problem]
+    finally:
+        if own_pool:
+            pool.shutdown()
+    listed = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
+    report.problems += [f"{extra}: not listed in the manifest" for extra in sorted(set(prefix.objects) - listed)]
+    report.problems += manifest.sharding_problems()
+    if report.problems:
+        report.status = INCOMPLETE if all(p.endswith(": missing") for p in report.problems) else CORRUPT
+    return report
+
+
+def verify_remote_dir(remote: "FsspecStore", quick: bool = False, progress: Callable[[int], None] | None = None,
+                      threads: int | None = None) -> list[SnapshotReport]:
+    """Reports for every prefix of an object-store location, oldest first; those off the current line are
+    marked abandoned."""
+    prefixes = remote.prefixes()
+    line = {p.name for p in remote.line(prefixes)}
+    reports = []
+    with ThreadPoolExecutor(threads or default_threads()) as pool:
+        for prefix in prefixes:
+            report = verify_remote(remote, prefix.name, quick, progress, prefixes, pool)
+            report.abandoned = report.manifest is not None and prefix.name not in line
+            reports.append(report)
+    return reports

@@ -93,6 +93,8 @@ class ScriptedWorld:
     def newest_snapshot(self) -> Snapshot | None:
         return self.snapshots.pop(0) if self.snapshots else None
 
+    restart_snapshot = newest_snapshot  # no memory tier in a scripted world
+
     def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
         self.quarantined.append((snapshot, status, reason))
         return snapshot.parent / "quarantine" / "x" / snapshot.name

@@ -36,9 +36,11 @@ def test_a_stop_happens_after_the_code_that_follows_train_step(tmp_path):
     run_dir = tmp_path / "run"
     result = run_job(run_dir, script=SCRIPT, args=("--steps", "8", "--stop-at", "3"))
     assert result.returncode == 3, result.stderr[-3000:]
-    assert "after step 3" in result.stdout and "after step 4" not in result.stdout
-    assert [e["step"] for e in read_events(run_dir, "stopped")] == [3]
-    assert (run_dir / "checkpoints" / "step-000000003").is_dir()
+    # asked during step 3, agreed with step 3's facts when step 4 ends (one step late), taken after step 4's code
+    assert "after step 4" in result.stdout and "after step 5" not in result.stdout
+    assert [e["step"] for e in read_events(run_dir, "stopped")] == [4]
+    assert (run_dir / "checkpoints" / "step-000000004").is_dir()
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4], "every step before the stop has its line"
 
 
 def test_the_readme_shows_the_step_calls_as_the_code_defines_them():

@@ -74,7 +74,7 @@ def test_init_then_launch_of_the_copied_template_recovers(recovered: SimpleNames
 def test_init_lists_refuses_to_overwrite_and_forces(tmp_path: Path) -> None:
     listed = cli("init", "--list")
     assert listed.exit_code == 0
-    assert [line.split()[0] for line in listed.stdout.splitlines()] == ["minimal", "char-gpt", "fsdp"]
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == ["minimal", "char-gpt", "fsdp", "slurm"]
     assert cli("init", str(tmp_path), "--template", "char-gpt").exit_code == 0
     assert (tmp_path / "data" / "tiny.txt").stat().st_size > 2000
     again = cli("init", str(tmp_path), "--template", "char-gpt")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -34,7 +33,7 @@ from ckptrun.cli.supervision.recovery import CUT
 
 @command
 def estimate_rto(
-    path: Path = typer.Argument(..., metavar="PATH", help="Run directory or checkpoint directory."),
+    path: str = typer.Argument(..., metavar="PATH", help="Run directory, checkpoint directory or object-store URL (s3://…)."),
     mtbf: str | None = typer.Option(None, "--mtbf", metavar="DURATION", help="Mean time between failures of the job (e.g. 3h): adds goodput and the recommended save interval."),
     budget: str | None = typer.Option(None, "--budget", metavar="DURATION", help="Exit 1 when the RTO exceeds this (e.g. 90s), naming the part to cut."),
     budget_includes_lost_work: bool = typer.Option(False, "--budget-includes-lost-work", help="Compare the cost per failure (RTO + lost work) with --budget instead."),
@@ -94,6 +93,10 @@ def print_report(document: dict[str, Any]) -> None:
     out += ["", f"RTO {_seconds(totals['rto_s'])} s = detect + teardown + verify + backoff + restart "
                 f"(after a hang: {_seconds(totals['rto_hang_s'])} s)",
             f"cost per failure {_seconds(totals['cost_per_failure_s'])} s = RTO + (τ + δ)/2 + w"]
+    if document.get("node_loss"):  # many nodes: a lost node is detected by its silence, then waited for
+        join = document["node_loss"]["join"]
+        out.insert(-1, f"after a lost node: {_seconds(totals['rto_node_loss_s'])} s (node timeout "
+                       f"{_seconds(document['node_loss']['detect_s'])} s + rejoin {_seconds(join['value_s'])} s: {join['detail']})")
     out += _mtbf_lines(document)
     budget = document.get("budget")
     if budget:

@@ -28,9 +28,11 @@ from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_bytes
 from ckptrun.cli.supervision.spec import RUN_JSON
 from ckptrun.runtime import records
-from ckptrun.runtime.manifest import MANIFEST_NAME
+from ckptrun.cli import store_location
+from ckptrun.runtime.ckpt_url import StoreUrl
+from ckptrun.runtime.manifest import MANIFEST_NAME, read_manifest
 from ckptrun.runtime.store import LINEAGE_NAME, list_entries
-from ckptrun.runtime.verify import SnapshotReport, newest_verified, verify_snapshot
+from ckptrun.runtime.verify import OK, SnapshotReport, newest_verified, verify_snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +43,7 @@ PATH_HINT = "pass a snapshot directory (step-NNNNNNNNN), a checkpoint directory 
 
 @command
 def export(
-    snapshot: Path = typer.Argument(..., metavar="SNAPSHOT", help="A snapshot directory, or a checkpoint/run directory (its newest verified snapshot)."),
+    snapshot: str = typer.Argument(..., metavar="SNAPSHOT", help="A snapshot directory, a checkpoint/run directory or an object-store URL (its newest verified snapshot)."),
     output: Path = typer.Option(..., "--output", "-o", metavar="FILE", help="Where to write: FILE.pt (torch.save) or FILE.safetensors."),
     ema: bool = typer.Option(False, "--ema", help="Export the EMA weights (the tracked `ema` AveragedModel) instead of the model's."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (snapshot, step, tensors, bytes, file) on stdout."),
@@ -88,8 +90,17 @@ def output_format(output: Path) -> str:
 # --- which snapshot ---------------------------------------------------------------------
 
 
-def verified_snapshot(path: Path) -> SnapshotReport:
-    """The snapshot at ``path`` once it verifies, or the newest verified one of a checkpoint/run directory."""
+def verified_snapshot(given: str | Path) -> SnapshotReport:
+    """The snapshot at ``path`` once it verifies, or the newest verified one of a checkpoint/run directory
+    or object store (downloaded with every byte hashed, or its verified local copy)."""
+    path = store_location.location(given)
+    remote = store_location.open_store(path.url) if isinstance(path, StoreUrl) else None
+    if isinstance(path, Path) and remote is None and path.is_dir():
+        remote = store_location.store_of_run(path)
+    if remote is not None:
+        cache = checkpoint_dir(path) if isinstance(path, Path) else None
+        choice = store_location.fetch_newest(remote, cache, store_location.say)
+        return SnapshotReport(choice.path, choice.step, OK, manifest=read_manifest(choice.path))
     if not path.is_dir():
         raise CkptrunError(f"{path}: no such directory", PATH_HINT)
     if (path / MANIFEST_NAME).exists():

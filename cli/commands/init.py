@@ -27,6 +27,7 @@ class Template:
 
     summary: str
     files: tuple[tuple[str, str], ...]
+    run: str = f"ckptrun launch --config {CONFIG}"  # the command to type next
 
 
 TEMPLATES = {
@@ -36,6 +37,9 @@ TEMPLATES = {
                          (("char_gpt.py", "train.py"), ("data/tiny.txt", "data/tiny.txt"))),
     "fsdp": Template("a small GPT sharded with FSDP2 (fully_shard) on data it generates: CPU ranks or GPUs, unchanged",
                      (("fsdp.py", "train.py"),)),
+    "slurm": Template("the minimal script plus an sbatch file: one `ckptrun launch` per node, saved and requeued "
+                      "on preemption", (("default_job.py", "train.py"), ("slurm.sbatch", "slurm.sbatch")),
+                      run="sbatch slurm.sbatch"),
 }
 
 
@@ -53,6 +57,7 @@ def init(
       ckptrun init my-run
       ckptrun init my-gpt --template char-gpt
       ckptrun init my-fsdp --template fsdp
+      ckptrun init my-job --template slurm
       ckptrun init --list
     """
     if list_templates:
@@ -68,7 +73,7 @@ def init(
     for source, dest in copies:
         _copy(source, dest)
     print(f"ckptrun: wrote {', '.join(str(dest) for _, dest in copies)} (template {template})", file=sys.stderr)
-    sys.stdout.write("".join(f"{line}\n" for line in next_commands(directory)))
+    sys.stdout.write("".join(f"{line}\n" for line in next_commands(directory, chosen.run)))
     return EXIT_OK
 
 
@@ -84,9 +89,8 @@ def _copy(source: str, dest: Path) -> None:
     dest.write_bytes(data)
 
 
-def next_commands(directory: Path) -> list[str]:
-    """What to type next: go there (unless already there), then launch with the config."""
-    launch = f"ckptrun launch --config {CONFIG}"
+def next_commands(directory: Path, launch: str = f"ckptrun launch --config {CONFIG}") -> list[str]:
+    """What to type next: go there (unless already there), then launch with the config (or submit the job)."""
     if directory.resolve() == Path.cwd().resolve():
         return [launch]
     return [f"cd {shlex.quote(str(directory))}", launch]

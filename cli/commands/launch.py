@@ -9,6 +9,7 @@ default job — is the training command. Importable without torch.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,9 +19,11 @@ import typer
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_REFUSED, CkptrunError, command
 from ckptrun.cli.recovery_budget import rto_launch
-from ckptrun.cli.supervision.rundir import RunPaths, alive, holder, latest_run
+from ckptrun.cli.supervision.rundir import RunPaths, alive, holder, latest_run, node_holders
 from ckptrun.cli.supervision.runner import resume_run, start_run
-from ckptrun.cli.supervision.spec import RENAMED, LaunchSpec, build_spec
+from ckptrun.cli.supervision.node_env import node_fields, node_settings, resume_settings
+from ckptrun.cli.supervision.memory_tier import refuse_unsupported
+from ckptrun.cli.supervision.spec import RENAMED, LaunchSpec, build_spec, read_run_record
 from ckptrun.runtime import records
 
 # Options end at the first word that is not one (SCRIPT) or at `--`; an unknown option before that is a typo,
@@ -50,16 +53,20 @@ def launch(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file of options (keys = long option names); flags override it."),
     nproc_per_node: Optional[str] = _opt("--nproc-per-node", "Ranks on this node (number, auto, cpu, gpu). [default: 1]", TORCHRUN),
-    nnodes: Optional[str] = _opt("--nnodes", "Nodes; more than 1 is refused for now.", TORCHRUN),
-    node_rank: Optional[int] = _opt("--node-rank", "This node's rank.", TORCHRUN),
+    nnodes: Optional[str] = _opt("--nnodes", "Nodes (N or MIN:MAX): one launch per node, node rank 0 leads; also read from PET_* and SLURM_*. [default: 1]", TORCHRUN),
+    node_rank: Optional[int] = _opt("--node-rank", "This node's rank (0 hosts the job's store).", TORCHRUN),
     standalone: bool = typer.Option(False, "--standalone", help="Fresh local rendezvous per attempt (the default).", rich_help_panel=TORCHRUN),
     master_addr: Optional[str] = _opt("--master-addr", "Rendezvous address with --master-port.", TORCHRUN),
     master_port: Optional[int] = _opt("--master-port", "Fixed rendezvous port (default: a fresh one per attempt).", TORCHRUN),
     rdzv_backend: Optional[str] = _opt("--rdzv-backend", "torchrun rendezvous backend.", TORCHRUN),
-    rdzv_endpoint: Optional[str] = _opt("--rdzv-endpoint", "torchrun rendezvous endpoint.", TORCHRUN),
+    rdzv_endpoint: Optional[str] = _opt("--rdzv-endpoint", "torchrun rendezvous endpoint (HOST:PORT of node rank 0, the same on every node).", TORCHRUN),
+    coord_port: Optional[int] = _opt("--coord-port", "Port of the job's store on node rank 0 (many nodes). [default: rendezvous port + 1]", TORCHRUN),
+    node_join_timeout: Optional[str] = _opt("--node-join-timeout", "How long the leader waits for a lost node's relaunched launcher. [default: 300s]", SUPERVISION),
     name: Optional[str] = _opt("--name", "Run name. [default: SCRIPT-STEM-DATE-TIME]", RUN),
     run_dir: Optional[Path] = _opt("--run-dir", "Run directory. [default: runs/NAME]", RUN),
-    ckpt_dir: Optional[Path] = _opt("--ckpt-dir", "Checkpoint directory. [default: RUN_DIR/checkpoints]", RUN),
+    ckpt_dir: Optional[str] = _opt("--ckpt-dir", "Checkpoint directory, or an object-store URL (s3://BUCKET/PREFIX, any fsspec URL). [default: RUN_DIR/checkpoints]", RUN),
+    local_cache: Optional[Path] = _opt("--local-cache", "With a URL --ckpt-dir: keep each snapshot in DIR too, for fast restores. [default: staging in RUN_DIR/staging]", RUN, metavar="DIR"),
+    storage_option: Optional[list[str]] = _opt("--storage-option", "fsspec option of a URL --ckpt-dir, KEY=VALUE (repeatable), e.g. endpoint_url=http://minio:9000.", RUN, metavar="KEY=VALUE"),
     precision: Optional[str] = _opt("--precision", "auto, fp32, tf32, bf16, fp16 or fp8. [default: auto]", POLICY),
     save_every_steps: Optional[int] = _opt("--save-every-steps", "Save a snapshot every N steps.", POLICY),
     save_every_seconds: Optional[str] = _opt("--save-every-seconds", "Save when this long passed since the last save (90, 15m).", POLICY),
@@ -70,6 +77,8 @@ def launch(
     keep_last: Optional[int] = _opt("--keep-last", "Verified snapshots kept besides milestones. [default: 3]", POLICY),
     keep_every: Optional[int] = _opt("--keep-every", "Snapshots at multiples of M steps are kept forever.", POLICY),
     paranoid_retention: Optional[bool] = _opt("--paranoid-retention", "Before retention deletes, re-hash the newest snapshot read past the page cache (default: manifest + sizes).", POLICY),
+    memory_every_steps: Optional[str] = _opt("--memory-every-steps", "Memory tier: a snapshot every N steps into /dev/shm, which a restart on this node restores first (auto: ~1% overhead; 0: off). [default: 0]", POLICY, metavar="N|auto"),
+    memory_keep: Optional[int] = _opt("--memory-keep", "Memory-tier snapshots kept in /dev/shm (plus one being written). [default: 2]", POLICY),
     seed: Optional[int] = _opt("--seed", "Base seed (rank r uses seed + r). [default: 0]", POLICY),
     deterministic: Optional[bool] = typer.Option(None, "--deterministic/--no-deterministic", help="Deterministic algorithms (exact resume). [default: on]", rich_help_panel=POLICY, show_default=False),
     threads: Optional[int] = _opt("--threads", "torch threads per rank.", POLICY),
@@ -90,6 +99,7 @@ def launch(
     stop_signal: Optional[str] = _opt("--stop-signal", "Extra signal meaning 'save and stop' (e.g. SIGUSR1 for Slurm --signal).", SUPERVISION),
     max_stalled_restarts: Optional[int] = _opt("--max-stalled-restarts", "Restarts in a row without a new snapshot before giving up (exit 4). [default: 2]", SUPERVISION),
     restart_backoff: Optional[float] = _opt("--restart-backoff", "Seconds before the second restart (none before the first); doubles each time. [default: 1]", SUPERVISION),
+    standby: Optional[bool] = typer.Option(None, "--standby/--no-standby", help="Keep the next attempt's torchrun agent started and waiting, so that a restart skips its start-up. [default: on]", rich_help_panel=SUPERVISION, show_default=False),
     rto_budget: Optional[str] = _opt("--rto-budget", "Estimate the RTO after the first snapshot; warn when it exceeds this (e.g. 2m). Caps --save-every auto.", RECOVERY, metavar="DURATION"),
     strict_budget: Optional[bool] = _opt("--strict-budget", "With --rto-budget: stop the run (saved, exit 1) when the estimate is over it.", RECOVERY),
     require_exact_resume: Optional[bool] = _opt("--require-exact-resume", "End the run (exit 4) when a resume's replayed losses diverge from the originals.", RECOVERY),
@@ -107,6 +117,15 @@ def launch(
       ckptrun launch --nproc-per-node 2 --save-every-steps 5 -- --steps 40
     """
     options = {key: value for key, value in locals().items() if key not in ("ctx", "config", "standalone", "as_json")}
+    settings = node_settings(node_fields(options), os.environ)
+    if settings.multi_node:  # one launcher per node: the leader's store coordinates them (imports torch)
+        from ckptrun.cli.supervision.many_nodes import start_nodes
+
+        options.update(nnodes=settings.nnodes, node_rank=settings.node_rank, rdzv_endpoint=settings.rdzv_endpoint,
+                       rdzv_backend=settings.rdzv_backend, name=settings.job_id, coord_port=settings.store_port,
+                       master_addr=None, master_port=None)
+        return start_nodes(launch_spec(ctx, config, standalone, options), settings, argv=sys.argv, as_json=as_json,
+                           estimator=rto_launch)
     return start_run(launch_spec(ctx, config, standalone, options), argv=sys.argv, as_json=as_json,
                      estimator=rto_launch)
 
@@ -117,7 +136,9 @@ def launch_spec(ctx: typer.Context, config: Optional[Path], standalone: bool, op
     flags = {RENAMED.get(key, key): value for key, value in options.items()}  # --allow-change → allow_changes
     if standalone and options.get("master_port") is not None:
         raise CkptrunError("--standalone and --master-port contradict each other", "pass one of them")
-    return build_spec({**flags, "script": script, "script_args": script_args or None}, config)
+    spec = build_spec({**flags, "script": script, "script_args": script_args or None}, config)
+    refuse_unsupported(spec)  # the memory tier: one node, a writable /dev/shm (exit 2 before anything exists)
+    return spec
 
 
 RESUME_CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": False}  # `-- NEW SCRIPT ARGS`
@@ -134,6 +155,7 @@ def resume(
     allow_change: Optional[str] = typer.Option(None, "--allow-change", help="Config keys that may differ from the snapshot's.", show_default=False),
     nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", help="Ranks on this node, as launch takes it; another world size than the snapshot's needs --allow-reshard.", show_default=False),
     allow_reshard: bool = typer.Option(False, "--allow-reshard", help="Resume a snapshot written at another world size: tensors and the data position reshard, per-rank RNG is reseeded (judged within tolerance, never exact)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="Many nodes: this node's rank (or PET_NODE_RANK, SLURM_NODEID); run resume on every node.", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> int:
     """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec.
@@ -152,8 +174,16 @@ def resume(
         overrides["allow_changes"] = build_spec({"allow_changes": allow_change}).allow_changes
     if max_restarts is not None:
         build_spec({"max_restarts": max_restarts})
-    return resume_run(run_dir or latest_run(), source, overrides, argv=sys.argv, as_json=as_json,
-                      estimator=rto_launch)
+    run_dir = run_dir or latest_run()
+    spec = read_run_record(run_dir).spec
+    if spec.nnodes.split(":")[-1] != "1":  # a many-node run: resume runs on every node, node rank 0 leads
+        from ckptrun.cli.supervision.many_nodes import resume_nodes
+
+        if source:
+            raise CkptrunError("--from is not supported for a many-node run yet", "resume with --latest on every node")
+        return resume_nodes(run_dir, resume_settings(spec, node_rank, os.environ), overrides, argv=sys.argv,
+                            as_json=as_json, estimator=rto_launch)
+    return resume_run(run_dir, source, overrides, argv=sys.argv, as_json=as_json, estimator=rto_launch)
 
 
 @command
@@ -170,19 +200,23 @@ def stop(
     paths = RunPaths(run_dir)
     if not paths.run_json.exists():
         raise CkptrunError(f"{run_dir} is not a ckptrun run directory", "pass the RUN_DIR that `ckptrun launch` printed")
-    who = holder(paths)
-    if who is None:
-        raise CkptrunError(f"no supervisor is running {run_dir}", f"nothing to stop; `ckptrun resume --latest --run-dir {run_dir}` continues it", EXIT_REFUSED)
+    # one node: its supervisor; many nodes: the launchers on this host (any node may ask, every node stops)
+    here = [who] if (who := holder(paths)) else [h for h in node_holders(paths.root).values() if h["alive"]]
+    if not here:
+        raise CkptrunError(f"no supervisor is running {run_dir} on this host", f"nothing to stop; `ckptrun resume --latest --run-dir {run_dir}` continues it", EXIT_REFUSED)
     paths.stop_file.touch()
     what = ("this script does not use ckptrun.runtime, so it cannot be asked to save: its ranks get SIGTERM"
             if records.read_events(paths.root, "plain_script") else "ranks save at the next step boundary")
-    print(f"ckptrun: asked supervisor pid {who['pid']} to stop {run_dir}: {what}", file=sys.stderr)
+    print(f"ckptrun: asked supervisor pid {', '.join(str(h['pid']) for h in here)} to stop {run_dir}: {what}", file=sys.stderr)
     if not wait:
         return EXIT_OK
-    return _wait_for_exit(int(who["pid"]), float(who["start_time"]), paths, timeout)
+    deadline = time.monotonic() + timeout
+    for who in here[1:]:
+        _wait_for_exit(int(who["pid"]), float(who["start_time"]), paths, max(0.0, deadline - time.monotonic()), quiet=True)
+    return _wait_for_exit(int(here[0]["pid"]), float(here[0]["start_time"]), paths, max(0.0, deadline - time.monotonic()))
 
 
-def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float) -> int:
+def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float, quiet: bool = False) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive(pid, start_time):
@@ -191,6 +225,8 @@ def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float)
     else:
         raise CkptrunError(f"supervisor pid {pid} has not exited after {timeout:g}s", "it is still saving or hung; "
                            f"wait, or signal it twice (kill -TERM {pid}) to kill the ranks", EXIT_NO)
+    if quiet:
+        return EXIT_OK
     stopped = records.read_events(paths.root, "run_stopped")
     last = stopped[-1] if stopped else {}
     if last.get("plain_script"):

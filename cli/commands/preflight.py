@@ -138,7 +138,8 @@ def run_phase(spec: LaunchSpec, root: Path, mode: str, steps: int, **updates: An
     phase = PreflightSpec.model_validate({
         **spec.model_dump(), "save_every": None, "save_every_seconds": None, "name": f"{root.name}-{mode}",
         "run_dir": run_dir, "ckpt_dir": run_dir / "checkpoints", "ranks_output": "none", "inject_fault": None,
-        "rto_budget": None, "strict_budget": False, "time_limit": None, **updates, "preflight": mode,
+        "rto_budget": None, "strict_budget": False, "time_limit": None, "memory_every_steps": 0,  # resume: from disk
+        **updates, "preflight": mode,
         "preflight_steps": steps})
     from ckptrun.cli.recovery_budget import rto_launch
     from ckptrun.cli.supervision.runner import start_run

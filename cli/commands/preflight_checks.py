@@ -27,6 +27,7 @@ from ckptrun.cli.errors import CkptrunError
 from ckptrun.cli.humanize import human_bytes
 from ckptrun.cli.recovery_budget.estimate import build_report, find_target
 from ckptrun.cli.recovery_budget.rto_model import RTO_PARTS, budget_verdict
+from ckptrun.cli.supervision.memory_tier import SHM_ROOT
 from ckptrun.cli.supervision.recovery import CUT
 from ckptrun.cli.supervision.resume_check import DIVERGED, resume_verdict
 from ckptrun.runtime import records
@@ -201,6 +202,7 @@ def budgets(spec: Any, snap: Check, resume_dir: Path, script_steps: int | None, 
     if snap.verdict == SKIPPED or "bytes" not in snap.facts:
         return Check("budgets", SKIPPED, "-", "no snapshot to size the budgets by" if snap.verdict != SKIPPED else NEEDS_RUNTIME)
     parts = [_disk(spec, snap.facts["bytes"], script_steps, free_bytes), _memory(snap.facts)]
+    parts += [_memory_tier(spec, snap.facts["bytes"])] if spec.memory_every_steps else []
     parts.append(_rto(spec, resume_dir))
     verdict = FAIL if any(p[0] == FAIL for p in parts) else WARN if any(p[0] == WARN for p in parts) else PASS
     worst = [p for p in parts if p[0] == verdict] or parts
@@ -241,6 +243,17 @@ def _memory(facts: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]]:
     if free < 2 * need:
         return WARN, figure, "under 2× the host memory staging needs", out
     return PASS, figure, "memory stages a snapshot", out
+
+
+def _memory_tier(spec: Any, size: int, root: Path = SHM_ROOT) -> tuple[str, str, str, dict[str, Any]]:
+    """--memory-keep snapshots plus one being written, in the free space of /dev/shm (it is host memory)."""
+    need, free = size * (spec.memory_keep + 1), shutil.disk_usage(root).free
+    figure = f"{root} {human_bytes(need)} of {human_bytes(free)}"
+    facts = {"memory_tier_need_bytes": need, "memory_tier_free_bytes": free}
+    if need > free:
+        return FAIL, figure, (f"{root} cannot hold --memory-keep {spec.memory_keep} memory snapshots + 1 in flight: "
+                              "lower --memory-keep or --memory-every-steps 0"), facts
+    return PASS, figure, f"{root} holds the memory tier", facts
 
 
 def _rto(spec: Any, resume_dir: Path) -> tuple[str, str, str, dict[str, Any]]:

@@ -25,15 +25,17 @@ import psutil
 import typer
 from ckptrun.cli.durations import DurationError, format_duration, parse_duration
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
+from ckptrun.cli.store_location import local_dir, store_of
 from ckptrun.cli.humanize import human_age, human_bytes
 from ckptrun.cli.recovery_budget.rto_history import restart_figure
 from ckptrun.cli.supervision.policy import Timeouts
-from ckptrun.cli.supervision.rundir import RunPaths, holder, latest_run
+from ckptrun.cli.supervision.rundir import RunPaths, holder, latest_run, node_holders
 from ckptrun.cli.supervision.spec import RUN_JSON, LaunchSpec
 from ckptrun.runtime import records
 from ckptrun.runtime.manifest import Manifest
 from ckptrun.runtime.store import LineageError, current_lineage, published
-from ckptrun.runtime.verify import verify_snapshot
+from ckptrun.runtime.remote_store import FsspecStore
+from ckptrun.runtime.verify import verify_remote, verify_snapshot
 
 WATCH_INTERVAL_S = 2.0
 RATE_WINDOW_S = 60.0  # step rates (stragglers, steps/s) are measured over this much recent time
@@ -161,18 +163,23 @@ def collect(run_dir: Path, rates: StepRates, budget: float | None = None, now: f
     beats = records.read_heartbeats(run_dir)
     rates.add(beats)
     supervisor = holder(RunPaths(run_dir))
+    nodes = node_rows(run_dir)
+    if supervisor is None and nodes:
+        supervisor = next((n for n in nodes if n["node"] == 0 and n["alive"] is not False), None)
     ranks = rank_rows(beats, rates, timeouts(spec), now)
-    state = run_state(events, supervisor is not None or any(r["alive"] for r in ranks))
     current = attempts(events, beats)
+    place_ranks(ranks, nodes, run_dir, current["attempt"])
+    state = run_state(events, supervisor is not None or any(r["alive"] for r in ranks))
     for row in ranks:
         if current["attempt"] is not None and row["attempt"] < current["attempt"]:
             row["flags"].append(f"from attempt {row['attempt']}")  # its rank has not beaten in this attempt yet
-        elif state in ("running", "recovering") and not row["alive"] and row["phase"] not in ("done", "stopping"):
+        elif state in ("running", "recovering") and row["alive"] is False and row["phase"] not in ("done", "stopping"):
             row["flags"].append("dead")
-    snapshot, manifest = last_snapshot(ckpt_dir_of(spec, run_dir), now)
+    snapshot, manifest = last_snapshot(ckpt_dir_of(spec, run_dir), now, store_of(spec))
     return {
         "run_dir": str(run_dir), "run_id": run_id, "state": state, "time": now,
         "supervisor_pid": supervisor["pid"] if supervisor else None,
+        "nodes": nodes,
         **current,
         "progress": progress(metrics, step_budget(spec, manifest), state),
         "ranks": ranks,
@@ -192,7 +199,9 @@ def read_spec(run_dir: Path) -> tuple[LaunchSpec | None, str | None]:
 
 
 def ckpt_dir_of(spec: LaunchSpec | None, run_dir: Path) -> Path:
-    return spec.ckpt_dir if spec is not None and spec.ckpt_dir is not None else run_dir / "checkpoints"
+    if spec is None:
+        return run_dir / "checkpoints"
+    return local_dir(spec.store_url, spec.cache_dir, spec.ckpt_dir, run_dir)
 
 
 def timeouts(spec: LaunchSpec | None) -> Timeouts:
@@ -242,6 +251,31 @@ def rank_rows(beats: dict[int, records.Heartbeat], rates: StepRates, limits: Tim
     return rows
 
 
+def node_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """A many-node run's launchers (none for one node): node rank, pid, host, alive (None: another host)."""
+    return [{"node": node, "pid": info.get("pid"), "host": info.get("host"), "alive": info["alive"]}
+            for node, info in sorted(node_holders(run_dir).items())]
+
+
+def place_ranks(ranks: list[dict[str, Any]], nodes: list[dict[str, Any]], run_dir: Path, attempt: int | None) -> None:
+    """Each rank's node (``nodes/node-K/ranks.json``, written by that node's launcher per attempt); a rank on
+    another host cannot be checked for life here (``alive`` None), only by its heartbeat's age."""
+    if not nodes:
+        return
+    where = {}
+    for path in run_dir.glob("nodes/node-*/ranks.json"):
+        try:
+            placed = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        where.update({int(rank): int(path.parent.name.removeprefix("node-")) for rank in placed.get("ranks", [])})
+    hosts = {n["node"]: n["alive"] is not None for n in nodes}
+    for row in ranks:
+        row["node"] = where.get(row["rank"])
+        if row["node"] is not None and not hosts.get(row["node"], True):
+            row["alive"] = None
+
+
 def pid_alive(pid: int, beat_time: float) -> bool:
     """The process that wrote a heartbeat at ``beat_time`` still runs (a newer process with its pid does not count)."""
     try:
@@ -251,8 +285,11 @@ def pid_alive(pid: int, beat_time: float) -> bool:
         return False
 
 
-def last_snapshot(ckpt_dir: Path, now: float) -> tuple[dict[str, Any] | None, Manifest | None]:
-    """The newest published snapshot of the current lineage, with a quick size check (no hashing)."""
+def last_snapshot(ckpt_dir: Path, now: float, remote: FsspecStore | None = None) -> tuple[dict[str, Any] | None, Manifest | None]:
+    """The newest published snapshot of the current lineage, with a quick size check (no hashing);
+    for a store run, the newest committed one of the store's line (sizes from its listing)."""
+    if remote is not None:
+        return _store_snapshot(remote, now)
     try:
         chain = current_lineage(ckpt_dir)
     except LineageError:
@@ -261,6 +298,20 @@ def last_snapshot(ckpt_dir: Path, now: float) -> tuple[dict[str, Any] | None, Ma
         return None, None
     entry, manifest = max(chain, key=lambda pair: pair[0].step)
     return _snapshot_facts(entry.path, manifest, now), manifest
+
+
+def _store_snapshot(remote: FsspecStore, now: float) -> tuple[dict[str, Any] | None, Manifest | None]:
+    try:
+        prefixes = remote.prefixes()
+        line = remote.line(prefixes)
+    except Exception as exc:  # noqa: BLE001 - status reports an unreachable store, it does not fail on it
+        return {"path": remote.where, "step": None, "verified": False, "check": "listing", "problems": [f"{type(exc).__name__}: {exc}"]}, None
+    if not line:
+        return None, None
+    check = verify_remote(remote, line[-1].name, quick=True, prefixes=prefixes)
+    manifest = line[-1].manifest
+    return {"path": line[-1].where, "step": manifest.step, "bytes": manifest.total_bytes, "created": manifest.created,
+            "age_s": now - manifest.created, "verified": check.ok, "check": "sizes", "problems": check.problems}, manifest
 
 
 def _snapshot_facts(path: Path, manifest: Manifest, now: float) -> dict[str, Any]:
@@ -315,7 +366,15 @@ def render(doc: dict[str, Any]) -> str:
              f"progress  {_progress_words(doc['progress'])}",
              f"snapshot  {_snapshot_words(doc['snapshot'], doc['plain_script'])}",
              f"RTO       {_rto_words(doc['rto'])}", ""]
+    if doc.get("nodes"):
+        lines[2:2] = [f"nodes     {_node_words(doc['nodes'])}"]
     return "\n".join(lines + _rank_table(doc["ranks"]))
+
+
+def _node_words(nodes: list[dict[str, Any]]) -> str:
+    life = {True: "running", False: "gone", None: "elsewhere"}
+    return " · ".join(f"node {n['node']}{' (leader)' if n['node'] == 0 else ''} pid {n['pid']} on {n['host']}: "
+                      f"{life[n['alive']]}" for n in nodes)
 
 
 def _state_words(doc: dict[str, Any]) -> str:
@@ -366,10 +425,12 @@ def _rto_words(r: dict[str, Any]) -> str:
 def _rank_table(ranks: list[dict[str, Any]]) -> list[str]:
     if not ranks:
         return ["no heartbeats yet (ranks starting; a script without ckptrun.runtime beats from its first optimizer step)"]
-    rows = [("RANK", "PID", "ALIVE", "PHASE", "STEP", "HEARTBEAT", "STEPS/S", "FLAGS")]
+    many = any("node" in r for r in ranks)
+    rows = [("RANK", *(("NODE",) if many else ()), "PID", "ALIVE", "PHASE", "STEP", "HEARTBEAT", "STEPS/S", "FLAGS")]
     for r in ranks:
         rate = "n/a" if r["steps_per_s"] is None else f"{r['steps_per_s']:.2f}"
-        rows.append((str(r["rank"]), str(r["pid"]), "yes" if r["alive"] else "no", r["phase"], str(r["step"]),
-                     f"{human_age(r['heartbeat_age_s'])} ago", rate, ",".join(r["flags"]) or "-"))
+        node = (str(r["node"]) if r.get("node") is not None else "?",) if many else ()
+        rows.append((str(r["rank"]), *node, str(r["pid"]), {True: "yes", False: "no", None: "?"}[r["alive"]], r["phase"],
+                     str(r["step"]), f"{human_age(r['heartbeat_age_s'])} ago", rate, ",".join(r["flags"]) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]

@@ -27,6 +27,10 @@ import typer
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_age, human_bytes
+from ckptrun.cli.store_location import location
+from ckptrun.runtime.ckpt_url import StoreUrl
+from ckptrun.runtime.remote_store import FsspecStore
+from ckptrun.runtime.transfer import describe
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from ckptrun.runtime.store import (
     ABANDONED_DIR,
@@ -51,21 +55,26 @@ from ckptrun.runtime.verify import (
     bytes_to_verify,
     default_threads,
     report_entry,
+    verify_remote_dir,
 )
 
 UNLOADABLE = "unloadable"
 FAILING = (CORRUPT, INCOMPLETE, UNLOADABLE)
-PATH_HINT = "pass a checkpoint directory (RUN_DIR/checkpoints), a run directory, or one step-NNNNNNNNN snapshot directory"
+PATH_HINT = "pass a checkpoint directory (RUN_DIR/checkpoints), a run directory, one step-NNNNNNNNN snapshot directory or an object-store URL"
 
 
 @command
 def verify(
-    path: Path = typer.Argument(..., metavar="PATH", help="Checkpoint directory, run directory, or one snapshot directory."),
+    path: str = typer.Argument(..., metavar="PATH", help="Checkpoint directory, run directory, one snapshot directory, or an object-store URL (s3://…)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout instead of a table."),
     quick: bool = typer.Option(False, "--quick", help="Check that files exist with the right sizes; skip digests."),
     threads: int | None = typer.Option(None, "--threads", min=1, metavar="N", help="Files hashed in parallel (default: CPUs, 2..8)."),
 ) -> int:
     """Check every snapshot's bytes against its manifest (exit 1 if any is corrupt or incomplete)."""
+    where = location(path)
+    if isinstance(where, StoreUrl):
+        return _verify_store(where, as_json, quick, threads)
+    path = where
     ckpt_dir, entries = _target(path)
     lineage, lineage_problems = _lineage(ckpt_dir)
     total = sum(_listed_bytes(e) for e in entries) if ckpt_dir is None else bytes_to_verify(ckpt_dir)
@@ -79,6 +88,23 @@ def verify(
         _print_json(path, ok, quick, reports, lineage_problems)
     else:
         _print_table(reports, quick, lineage_problems)
+    return EXIT_OK if ok else EXIT_NO
+
+
+def _verify_store(url: StoreUrl, as_json: bool, quick: bool, threads: int | None) -> int:
+    """Every ``step-<N>-<id>/`` prefix: each object streamed and hashed (sizes only with --quick)."""
+    try:
+        reports = verify_remote_dir(FsspecStore(url), quick, None, threads)
+    except Exception as exc:  # noqa: BLE001 - unreachable, no credentials, no bucket: one line
+        raise CkptrunError(f"cannot list {url}: {describe(exc)}", "check the URL, the endpoint and the credentials "
+                           "(environment: AWS_*, FSSPEC_S3_ENDPOINT_URL; ~/.aws)") from None
+    if not reports:
+        raise CkptrunError(f"{url} holds no snapshot (no step-<N>-<id>/ prefixes)", hint=PATH_HINT)
+    ok = not any(r.status in FAILING for r in reports)
+    if as_json:
+        _print_json(url.url, ok, quick, reports, [])
+    else:
+        _print_table(reports, quick, [])
     return EXIT_OK if ok else EXIT_NO
 
 
@@ -191,10 +217,10 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] | Non
 # --- output ------------------------------------------------------------------
 
 
-def _print_json(path: Path, ok: bool, quick: bool, reports: list[SnapshotReport], problems: list[str]) -> None:
+def _print_json(path: Path | str, ok: bool, quick: bool, reports: list[SnapshotReport], problems: list[str]) -> None:
     document = {
         "ok": ok,
-        "path": str(path.absolute()),
+        "path": str(path.absolute()) if isinstance(path, Path) else path,
         "quick": quick,
         "problems": problems,
         "snapshots": [report.to_json() for report in reports],
@@ -239,8 +265,8 @@ def _created(report: SnapshotReport) -> float:
     if report.manifest is not None:
         return report.manifest.created
     try:
-        return report.path.stat().st_mtime
-    except OSError:
+        return report.path.stat().st_mtime  # type: ignore[union-attr]
+    except (OSError, AttributeError):  # an object-store prefix (a URL) has no stat
         return time.time()
 
 

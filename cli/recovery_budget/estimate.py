@@ -15,13 +15,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ckptrun.cli import store_location
 from ckptrun.cli.durations import format_duration
 from ckptrun.cli.errors import CkptrunError
 from ckptrun.cli.recovery_budget import rto_components as parts
+from ckptrun.cli.recovery_budget import rto_nodes
 from ckptrun.cli.recovery_budget.rto_measure import noop_attempt
 from ckptrun.cli.recovery_budget.rto_model import RTO_PARTS, Component, budget_verdict, cost_per_failure, daly, goodput, total, young
 from ckptrun.cli.supervision.spec import read_run_record
 from ckptrun.runtime import records
+from ckptrun.runtime.ckpt_url import StoreUrl
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from ckptrun.runtime.store import LINEAGE_NAME, LineageError, current_lineage, list_entries
 
@@ -30,9 +33,13 @@ PATH_HINT = "pass a run directory (it has events.jsonl or checkpoints/) or a che
 # --- what PATH is ---------------------------------------------------------------------
 
 
-def find_target(path: Path) -> parts.Target:
-    """A run directory (records, maybe run.json) or a checkpoint directory, and the snapshot a restart would use."""
-    path = path.absolute()
+def find_target(given: Path | str) -> parts.Target:
+    """A run directory (records, maybe run.json), a checkpoint directory or an object-store URL, and the
+    snapshot a restart would use."""
+    where = store_location.location(given)
+    if isinstance(where, StoreUrl):
+        return _store_target(where.url, "checkpoint", store_location.open_store(where.url), None)
+    path = where.absolute()
     if not path.is_dir():
         raise CkptrunError(f"{path}: no such directory", PATH_HINT)
     if (path / MANIFEST_NAME).is_file():
@@ -44,7 +51,9 @@ def find_target(path: Path) -> parts.Target:
     if (path / records.EVENTS).exists() or (path / "run.json").exists() or (path / "checkpoints").is_dir():
         spec, run_id = _run_record(path)
         ckpt_dir = spec.ckpt_dir if spec is not None and spec.ckpt_dir is not None else path / "checkpoints"
-        target = _target(path, "run", ckpt_dir, run_dir=path, spec=spec, run_id=run_id)
+        remote = store_location.store_of(spec)
+        target = (_store_target(path, "run", remote, ckpt_dir, run_dir=path, spec=spec, run_id=run_id) if remote
+                  else _target(path, "run", ckpt_dir, run_dir=path, spec=spec, run_id=run_id))
         target.events, target.metrics = records.read_events(path), records.read_metrics(path)
         return target
     raise CkptrunError(f"{path} is neither a run directory nor a checkpoint directory", PATH_HINT)
@@ -78,6 +87,16 @@ def _target(path: Path, kind: str, ckpt_dir: Path, snapshot: Path | None = None,
     return parts.Target(path, kind, ckpt_dir, snapshot, manifest, created=created, older=older, **fields)
 
 
+def _store_target(path: Path | str, kind: str, remote: Any, cache: Path | None, **fields: Any) -> parts.Target:
+    """The restore a restart would do from an object store, done and timed now (its verify component):
+    the verified local copy, or the newest committed prefix downloaded with every object hashed."""
+    choice = store_location.fetch_newest(remote, cache, parts.say)
+    target = _target(path, kind, choice.path.parent, snapshot=choice.path, **fields)  # type: ignore[arg-type]
+    target.created = [(p.step, p.manifest.created) for p in remote.line()]
+    target.older, target.fetched = [], choice
+    return target
+
+
 def _lineage_snapshots(ckpt_dir: Path) -> list[tuple[Path, Any]]:
     """Published snapshots of the current lineage with readable manifests, oldest first."""
     try:
@@ -98,12 +117,16 @@ def build_report(target: parts.Target, probe: bool, world: int, mtbf_s: float | 
     tau, delta, w = pace.interval_s, pace.stall_s, pace.persist_s
     cost = cost_per_failure(rto, tau, delta, w) if rto is not None and tau is not None else None
     hang = components["detect"].facts["hang_s"]
+    lost_node = rto_nodes.node_loss(target)
     return {
         "path": str(target.path), "kind": target.kind, "run_id": target.run_id,
         "snapshot": {"path": str(target.snapshot), "step": target.manifest.step, "bytes": target.manifest.total_bytes,
                      "files": len(target.manifest.files), "world_size": target.manifest.world_size},
         "components": {name: component.to_json() for name, component in components.items()},
+        "node_loss": lost_node,
         "totals": {"rto_s": rto, "rto_hang_s": None if rto is None else rto - components["detect"].value_s + hang,
+                   "rto_node_loss_s": None if rto is None or lost_node is None else
+                   rto - components["detect"].value_s + lost_node["detect_s"] + lost_node["join"]["value_s"],
                    "cost_per_failure_s": cost},
         "mtbf_s": mtbf_s,
         "goodput": goodput(tau, delta, w, rto, mtbf_s) if mtbf_s and cost is not None else None,
@@ -113,7 +136,7 @@ def build_report(target: parts.Target, probe: bool, world: int, mtbf_s: float | 
 
 def gather(target: parts.Target, probe: bool, world: int) -> dict[str, Component]:
     """The RTO components; one no-op launch is made only where history lacks teardown or restart."""
-    checked = parts.verify(target)  # first: a fallback changes the snapshot the rest is about
+    checked = rto_nodes.spread_verify(target, parts.verify(target))  # first: a fallback changes the snapshot
     needs_noop = hist_missing(target, "teardown_s") or (hist_missing(target, "relaunch_to_first_step_s") and not probe)
     noop = None
     if needs_noop:

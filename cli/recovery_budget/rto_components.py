@@ -44,6 +44,7 @@ class Target:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     created: list[tuple[int, float]] = field(default_factory=list)  # (step, created) of the lineage's snapshots
     older: list[tuple[Path, Manifest]] = field(default_factory=list)  # fallbacks, newest first
+    fetched: Any = None  # an object store's restore choice (runtime.tiering.Choice), done and timed
 
     @property
     def restarts(self) -> list[dict[str, Any]]:
@@ -109,6 +110,8 @@ def verify(target: Target) -> Component:
 
     A fallback moves ``target.snapshot`` to the snapshot a restart would really restore.
     """
+    if target.fetched is not None:
+        return _fetched(target.fetched)
     timing = measure.time_verify(target.snapshot, target.manifest)
     spent, skipped = timing.seconds, []
     for path, manifest in target.older if timing.status not in (None, "ok") else []:
@@ -135,6 +138,16 @@ def verify(target: Target) -> Component:
     facts = {"bytes": timing.bytes, "throughput_bytes_per_s": timing.throughput, "page_cache_resident": timing.resident,
              "sampled": timing.status is None, "skipped": skipped}
     return Component("verify", spent, MEASURED, how, facts)
+
+
+def _fetched(choice: Any) -> Component:
+    """An object store: the supervisor's choice is list + (verify the local copy | download and hash), measured."""
+    rate = choice.bytes / choice.seconds if choice.seconds > 0 else 0.0
+    action = "downloaded and hashed" if choice.source == "remote" else "hashed (local copy)"
+    how = (f"{choice.source}: {choice.reason}; {human_bytes(choice.bytes)} {action} at {rate / 1e6:,.0f} MB/s "
+           f"from {choice.remote}")
+    return Component("verify", choice.seconds, MEASURED, how,
+                     {"bytes": choice.bytes, "throughput_bytes_per_s": rate, "source_of_restore": choice.source, "skipped": []})
 
 
 # --- restart ------------------------------------------------------------------------------

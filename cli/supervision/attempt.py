@@ -61,11 +61,15 @@ def torchrun_command(failures_json: Path, torchrun_args: list[str], target: list
 class AttemptProcess:
     """The running torchrun tree of one attempt."""
 
-    def __init__(self, command: list[str], env: Mapping[str, str], console_log: Path, cwd: Path | None = None) -> None:
+    def __init__(self, command: list[str], env: Mapping[str, str], console_log: Path, cwd: Path | None = None,
+                 popen: subprocess.Popen | None = None) -> None:
+        """Start ``command``, or adopt ``popen``: a standby agent already given this attempt (standby.py)."""
         console_log.parent.mkdir(parents=True, exist_ok=True)
-        with open(console_log, "ab") as log:
-            self.popen = subprocess.Popen(command, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
+        if popen is None:
+            with open(console_log, "ab") as log:
+                popen = subprocess.Popen(command, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
+        self.popen = popen
         self.started = time.time()
         self.root = psutil.Process(self.popen.pid)
         self.ranks: dict[int, psutil.Process] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -53,14 +54,36 @@ class RunPaths:
         return self.logs / f"attempt-{attempt}"
 
     @property
+    def lock_file(self) -> Path:
+        return self.root / LOCK_NAME
+
+    @property
     def holder_file(self) -> Path:
         return self.root / HOLDER_NAME
 
 
 def holder(paths: RunPaths) -> dict[str, Any] | None:
     """The supervisor recorded as holding the run, if that process is still alive."""
+    return _live_holder(paths.holder_file)
+
+
+def node_holders(root: Path) -> dict[int, dict[str, Any]]:
+    """A many-node run's launchers, by node rank, as each recorded itself in ``nodes/node-K/supervisor.json``
+    (one writer per file); ``alive`` is True or False on the launcher's own host, None elsewhere."""
+    found = {}
+    for path in sorted(root.glob(f"nodes/node-*/{HOLDER_NAME}")):
+        info = _read_json(path)
+        if info is None or not path.parent.name.removeprefix("node-").isdigit():
+            continue
+        here = info.get("host") in (None, socket.gethostname())
+        info["alive"] = _live_holder(path) is not None if here else None
+        found[int(path.parent.name.removeprefix("node-"))] = info
+    return found
+
+
+def _live_holder(path: Path) -> dict[str, Any] | None:
     try:
-        info = json.loads(paths.holder_file.read_text())
+        info = json.loads(path.read_text())
         if alive(int(info["pid"]), float(info["start_time"])):
             return info
     except (OSError, ValueError, KeyError, TypeError, psutil.Error):
@@ -82,7 +105,7 @@ class RunLock:
 
     def __init__(self, paths: RunPaths) -> None:
         self.paths = paths
-        self.lock = FileLock(str(paths.root / LOCK_NAME), timeout=0)
+        self.lock = FileLock(str(paths.lock_file), timeout=0)
         self.took_over: dict[str, Any] | None = None
 
     def acquire(self) -> "RunLock":
@@ -99,7 +122,8 @@ class RunLock:
         if stale is not None:
             self.took_over = stale
         me = psutil.Process()
-        info = {"pid": me.pid, "start_time": me.create_time(), "argv": sys.argv, "time": time.time()}
+        info = {"pid": me.pid, "start_time": me.create_time(), "argv": sys.argv, "time": time.time(),
+                "host": socket.gethostname()}
         tmp = self.paths.holder_file.with_name(f".{HOLDER_NAME}.tmp")
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.paths.holder_file)

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ckptrun.cli import store_location
 from ckptrun.cli.durations import format_duration
 from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, EXIT_UNRECOVERABLE, CkptrunError
 from ckptrun.cli.progress import Progress
@@ -32,11 +33,13 @@ from ckptrun.runtime import records
 from ckptrun.runtime.env import NOT_IMPLEMENTED
 from ckptrun.runtime.manifest import ManifestError, read_manifest
 from ckptrun.runtime.store import fork, list_entries, snapshot_name
+from ckptrun.runtime.transfer import describe
 from ckptrun.runtime.verify import newest_verified, verify_snapshot
 
 
 def ckpt_dir_of(spec: LaunchSpec, run_dir: Path) -> Path:
-    return spec.ckpt_dir if spec.ckpt_dir is not None else run_dir / "checkpoints"
+    """The local snapshot dir: --ckpt-dir, or a store run's local copies (--local-cache, else RUN_DIR/staging)."""
+    return store_location.local_dir(spec.store_url, spec.cache_dir, spec.ckpt_dir, run_dir)
 
 
 # --- launch ---------------------------------------------------------------------
@@ -45,6 +48,9 @@ def ckpt_dir_of(spec: LaunchSpec, run_dir: Path) -> Path:
 def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False, *, estimator: Estimator) -> int:
     """``ckptrun launch``: a new run directory, then supervision from attempt 1 (``estimator``: the recovery
     budget's in-launch RTO estimate, :mod:`ckptrun.cli.recovery_budget.rto_launch`)."""
+    if spec.nnodes.split(":")[-1] != "1":  # many nodes go through many_nodes.start_nodes, one launcher per node
+        raise CkptrunError(f"--nnodes {spec.nnodes}: this command runs on one node",
+                           "run `ckptrun launch --nnodes N --node-rank K ...` on every node")
     if spec.precision in NOT_IMPLEMENTED:  # refused before a run dir or a rank exists (torch is not imported)
         what, hint = NOT_IMPLEMENTED[spec.precision]
         raise CkptrunError(f"--precision {spec.precision}: {what}", hint)
@@ -57,6 +63,7 @@ def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False, *, estim
     paths, ckpt_dir = RunPaths(run_dir), ckpt_dir_of(spec, run_dir)
     if holder(paths) is None:  # refuse before creating anything (a held run dir: the lock names its holder)
         _refuse_used(paths, ckpt_dir)
+        _refuse_used_store(spec)
     with RunLock(paths) as lock:
         _refuse_used(paths, ckpt_dir)  # again under the lock: another launcher may have just written there
         spec.run_dir, spec.ckpt_dir = run_dir.resolve(), ckpt_dir.resolve()
@@ -78,6 +85,21 @@ def _refuse_used(paths: RunPaths, ckpt_dir: Path) -> None:
         raise CkptrunError(f"checkpoint directory {ckpt_dir} already holds snapshots",
                            f"continue it with `ckptrun resume --latest --run-dir {which}, or pass an empty --ckpt-dir "
                            "for a new run")
+
+
+def _refuse_used_store(spec: LaunchSpec) -> None:
+    """An object-store location that holds committed snapshots belongs to a run, as a local dir does."""
+    remote = store_location.store_of(spec)
+    if remote is None:
+        return
+    try:
+        held = remote.published()
+    except Exception as exc:  # noqa: BLE001 - unreachable, no credentials, no bucket: refused before anything runs
+        raise CkptrunError(f"cannot list {remote.where}: {describe(exc)}",
+                           "check the URL, the endpoint and the credentials (environment, ~/.aws, --storage-option)") from None
+    if held:
+        raise CkptrunError(f"{remote.where} already holds snapshots",
+                           "continue that run with `ckptrun resume --latest --run-dir RUN_DIR`, or pass an empty prefix")
 
 
 def _owner(ckpt_dir: Path) -> Path | None:
@@ -117,7 +139,9 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
         record.spec = build_spec({**record.spec.model_dump(), **given})  # a bad combination: one line, exit 2
         ckpt_dir = ckpt_dir_of(record.spec, run_dir)
         plain = bool(records.read_events(run_dir, "plain_script"))  # it resumes from its own files
-        snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir)
+        if source and record.spec.store_url:
+            raise CkptrunError("resume --from is not supported on an object store yet", "use --latest")
+        snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir, record.spec, run_dir)
         _refuse_unasked_reshard(record.spec, snapshot)
         write_run_record(run_dir, record)
         first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(run_dir, "attempt_start")), default=0)
@@ -147,7 +171,14 @@ def _refuse_unasked_reshard(spec: LaunchSpec, snapshot: Snapshot | None) -> None
                            EXIT_UNRECOVERABLE)
 
 
-def _newest(ckpt_dir: Path) -> Snapshot:
+def _newest(ckpt_dir: Path, spec: LaunchSpec | None = None, run_dir: Path | None = None) -> Snapshot:
+    remote = store_location.store_of(spec)
+    if remote is not None:  # the store's newest committed snapshot, as the supervisor picks it (verified, local copy)
+        started = time.monotonic()
+        choice = store_location.fetch_newest(remote, ckpt_dir, lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+        if run_dir is not None:
+            records.log_event(run_dir, "restore_source", **choice.event_fields())
+        return Snapshot(choice.path, choice.step, time.monotonic() - started)
     started = time.monotonic()
     report = newest_verified(ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
     if report is None:

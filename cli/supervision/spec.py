@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from ckptrun.cli import durations
+from ckptrun.cli import durations, store_location
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.faults import FaultSpecError, parse_faults
@@ -28,7 +28,8 @@ from ckptrun.runtime.faults import FaultSpecError, parse_faults
 RUN_JSON = "run.json"
 DEFAULT_MTBF_S = 86400.0  # --mtbf: one failure a day, a common figure for a multi-node job
 CADENCE = ("save_every_steps", "save_every_seconds", "save_every")  # one choice: a flag replaces the config's
-RENAMED = {"allow_change": "allow_changes", "args": "script_args"}  # TOML key (= long option) → field
+RENAMED = {"allow_change": "allow_changes", "args": "script_args",  # TOML key (= long option) → field
+           "local_cache": "cache_dir", "storage_option": "store_options"}
 
 
 def parse_duration(value: Any) -> Any:
@@ -46,10 +47,10 @@ def parse_duration(value: Any) -> Any:
 # launch option (a ``--config`` key, and a flag where ``launch`` declares one): declared once, in RunEnv.
 NOT_OPTIONS = frozenset({
     "run_id", "run_dir", "ckpt_dir", "attempt", "supervised", "supervisor_pid", "supervisor_start_time",
-    "resume_from", "save_interval_cap_seconds",  # the world's, per attempt
+    "resume_from", "save_interval_cap_seconds", "memory_dir",  # the world's, per attempt
     "save_every_auto", "mtbf_seconds", "heartbeat_interval", "fault",  # from save_every, mtbf, heartbeat_timeout, inject_fault
     "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
-    "ckpt_url", "local_cache", "storage_options",  # not launch options yet: the object-store work drops them from here
+    "ckpt_url", "local_cache", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option (store_location)
 })
 WorkerPolicy: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "WorkerPolicy", __doc__="The contract-C1 fields a launch decides for every worker: RunEnv's own fields.",
@@ -71,16 +72,22 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     script_args: list[str] = Field(default_factory=list, description="Arguments passed to the script.")
     # --- torchrun (same names as torchrun's flags) ---
     nproc_per_node: str = Field("1", description="Ranks on this node: a number, or auto/cpu/gpu as torchrun takes it.")
-    nnodes: str = Field("1", description="Nodes (MIN[:MAX]); more than one is refused until multi-node supervision exists.")
+    nnodes: str = Field("1", description="Nodes (N or MIN:MAX): one `ckptrun launch` per node, node rank 0 leads.")
     node_rank: int = Field(0, ge=0, description="This node's rank (0 on one node).")
     master_addr: str | None = Field(None, description="Rendezvous address (default: a fresh local one per attempt).")
     master_port: int | None = Field(None, ge=1, le=65535, description="Fixed rendezvous port (default: a fresh free port per attempt).")
-    rdzv_backend: str | None = Field(None, description="torchrun rendezvous backend (one node only for now).")
+    rdzv_backend: str | None = Field(None, description="torchrun rendezvous backend (c10d across nodes).")
     rdzv_endpoint: str | None = Field(None, description="torchrun rendezvous endpoint.")
+    coord_port: int | None = Field(None, ge=1, le=65535, description="Port of the job's coordination store on node rank 0 (many nodes); default: the rendezvous port + 1.")
+    node_join_timeout: float = Field(300.0, gt=0, description="How long the leader waits for a lost node's relaunched launcher to join (many nodes).")
     # --- the run directory ---
     name: str | None = Field(None, description="Run name; default SCRIPT-STEM-YYYYmmdd-HHMMSS.")
     run_dir: Path | None = Field(None, description="Run directory; default runs/NAME.")
-    ckpt_dir: Path | None = Field(None, description="Checkpoint directory; default RUN_DIR/checkpoints.")
+    ckpt_dir: Path | None = Field(None, description="Checkpoint directory; default RUN_DIR/checkpoints. A URL (s3://…) sets store_url.")
+    store_url: str | None = Field(None, description="Object-store URL every snapshot is committed to (--ckpt-dir s3://…, any fsspec URL).")
+    cache_dir: Path | None = Field(None, description="--local-cache: with a store URL, each snapshot stays here too (a restore tier); default: RUN_DIR/staging, emptied after each upload.")
+    store_options: dict[str, Any] = Field(default_factory=dict, description="--storage-option KEY=VALUE: fsspec options of the store (credentials kept out of run.json).")
+    store_secrets: dict[str, Any] = Field(default_factory=dict, exclude=True, description="The --storage-option values that look like credentials: for the workers, never written.")
     # --- what every worker is told (contract C1): WorkerPolicy's fields, and these that map to RunEnv's ---
     save_every: Literal["auto"] | None = Field(None, description="auto: the time between saves follows Daly's formula from the measured save cost and --mtbf; the default when no --save-every* is given.")
     mtbf: float = Field(DEFAULT_MTBF_S, gt=0, description="Mean time between failures of the job, for --save-every auto.")
@@ -92,6 +99,7 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     max_stalled_restarts: int = Field(2, ge=1, description="Restarts in a row that bring no new snapshot before giving up (exit 4).")
     restart_backoff: float = Field(1.0, ge=0, description="Seconds before the second restart (none before the first); doubles per restart.")
     restart_backoff_cap: float = Field(60.0, ge=0, description="Longest wait between restarts.")
+    standby: bool = Field(True, description="Pre-start the next attempt's torchrun agent while this one trains (a warm standby): a restart skips its start-up.")
     heartbeat_timeout: float = Field(300.0, gt=0, description="A training rank silent this long is hung.")
     startup_timeout: float = Field(600.0, gt=0, description="Allowance for start-up and restore (phases init/restore).")
     save_timeout: float = Field(900.0, gt=0, description="Allowance for one snapshot save (phase save).")
@@ -104,7 +112,8 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     require_exact_resume: bool = Field(False, description="End the run (exit 4) when a resume's replayed losses diverge from the originals.")
 
     _durations = field_validator("time_limit", "grace_period", "heartbeat_timeout", "startup_timeout",
-                                 "save_timeout", "save_every_seconds", "mtbf", "rto_budget", mode="before")(parse_duration)
+                                 "save_timeout", "save_every_seconds", "mtbf", "rto_budget", "node_join_timeout",
+                                 mode="before")(parse_duration)
 
     @field_validator("nproc_per_node", "nnodes", mode="before")
     @classmethod
@@ -124,8 +133,8 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
         parts = value.split(":")
         if not all(p.isdigit() for p in parts) or len(parts) > 2:
             raise ValueError("must be N or MIN:MAX")
-        if max(int(p) for p in parts) > 1:
-            raise ValueError("more than one node is not supported yet (multi-node supervision is a later issue); run on one node")
+        if int(parts[0]) < 1 or int(parts[0]) > int(parts[-1]):
+            raise ValueError("must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX")
         return value
 
     @field_validator("stop_signal")
@@ -163,6 +172,12 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
 
     @model_validator(mode="before")
     @classmethod
+    def _object_store(cls, data: Any) -> Any:
+        """``--ckpt-dir URL`` → store_url (an unusable URL: exit 2); --storage-option items → options."""
+        return store_location.split_spec(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="before")
+    @classmethod
     def _default_cadence(cls, data: Any) -> Any:
         """No --save-every* given: --save-every auto, so a run never goes without a periodic snapshot."""
         if isinstance(data, dict) and all(data.get(key) is None for key in CADENCE):
@@ -171,6 +186,9 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
 
     @model_validator(mode="after")
     def _combinations(self) -> "LaunchSpec":
+        if self.cache_dir is not None and self.store_url is None:
+            raise ValueError("--local-cache needs an object-store --ckpt-dir (s3://BUCKET/PREFIX); a local --ckpt-dir "
+                             "is already local")
         if self.strict_budget and self.rto_budget is None:
             raise ValueError("--strict-budget needs --rto-budget DURATION (e.g. --rto-budget 5m)")
         if self.save_every == "auto" and (self.save_every_seconds is not None or self.save_every_steps is not None):
@@ -187,8 +205,8 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
 
     @property
     def world_size(self) -> int | None:
-        """Ranks in the job when the flags say (one node: ``--nproc-per-node N``); None for auto/cpu/gpu."""
-        return int(self.nproc_per_node) if self.nproc_per_node.isdigit() else None
+        """Ranks in the job when the flags say (``--nproc-per-node N`` times the most nodes); None for auto/cpu/gpu."""
+        return int(self.nproc_per_node) * int(self.nnodes.split(":")[-1]) if self.nproc_per_node.isdigit() else None
 
     @property
     def heartbeat_interval(self) -> float:
@@ -201,7 +219,8 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
         The run's location, attempt and supervisor facts are the world's to add."""
         same = {name: getattr(self, name) for name in RunEnv.model_fields
                 if name in type(self).model_fields and name not in ("run_dir", "ckpt_dir")}
-        return {**same, "fault": self.inject_fault, "mtbf_seconds": self.mtbf,
+        return {**same, **store_location.worker_fields(self.store_url, self.cache_dir, {**self.store_options, **self.store_secrets}),
+                "fault": self.inject_fault, "mtbf_seconds": self.mtbf,
                 "save_every_auto": self.save_every == "auto", "heartbeat_interval": self.heartbeat_interval}
 
 

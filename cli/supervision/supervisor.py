@@ -252,7 +252,7 @@ class Supervisor:
     # --- after an attempt ---------------------------------------------------------
 
     def _facts(self, watch: AttemptWatch, set_aside: bool = False) -> RestartFacts:
-        new_snapshot = bool(self.world.attempt_events("snapshot_saved"))
+        new_snapshot = bool(self.world.attempt_events("snapshot_saved") or self.world.attempt_events("memory_saved"))
         self.stalled_restarts = 0 if new_snapshot or not self.runtime_seen else self.stalled_restarts + (
             1 if watch.attempt > self.first_attempt else 0)
         failure = watch.failure or {}
@@ -269,7 +269,7 @@ class Supervisor:
     def _prepare_restart(self, watch: AttemptWatch, verdict: Restart) -> Snapshot | None | bool:
         """Count the restart, verify the newest snapshot, back off. False when a stop arrives meanwhile."""
         self.restarts += 1
-        snapshot = self.world.newest_snapshot()
+        snapshot = self.world.restart_snapshot()  # the newest durable one, or a newer one of the memory tier
         if not self._wait(verdict.delay):
             return False
         lost = (watch.last_step - (snapshot.step if snapshot else 0)) if watch.last_step is not None else None

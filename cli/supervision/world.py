@@ -28,9 +28,12 @@ from ckptrun.cli.supervision.policy import STACK_WAIT_S
 from ckptrun.cli.supervision.rank_output import PREFIX_TEMPLATE, PREFIX_VARIABLE, RankOutput, selector
 from ckptrun.cli.supervision.rundir import RunPaths
 from ckptrun.cli.supervision.spec import LaunchSpec
-from ckptrun.runtime import records, store
+from ckptrun.cli.store_location import store_of
+from ckptrun.cli.supervision.snapshot_source import SnapshotSource
+from ckptrun.cli.supervision.standby import StandbyKeeper
+from ckptrun.cli.supervision.memory_tier import MemoryDir
+from ckptrun.runtime import records
 from ckptrun.runtime.env import PREFIX, RunEnv
-from ckptrun.runtime.verify import newest_verified
 
 class Estimator(Protocol):
     """The recovery budget's in-launch estimate (the module :mod:`ckptrun.cli.recovery_budget.rto_launch`),
@@ -73,10 +76,12 @@ class LocalWorld:
     def __init__(self, spec: LaunchSpec, run_id: str, paths: RunPaths, ckpt_dir: Path, target: list[str],
                  progress: Progress, restored_step: int | None = None, estimator: Estimator | None = None) -> None:
         self.spec, self.run_id, self.paths, self.ckpt_dir = spec, run_id, paths, ckpt_dir
+        self.source = SnapshotSource(ckpt_dir, store_of(spec), self.say, self.event)  # local dir or object store
         self.estimator = estimator  # None: no RTO estimate and no auto-save cap (unit tests of the world)
         self.target, self.progress = target, progress
         self.attempt = 0
         self.process: AttemptProcess | None = None
+        self.standby = StandbyKeeper(spec.standby, run_id, paths.logs / "standby.log", self.event)
         self.rank_output: RankOutput | None = None
         self.show_ranks = selector(spec.ranks_output)
         self.cadence_told = False
@@ -92,6 +97,7 @@ class LocalWorld:
         self.attempt_snapshot: int | None = None  # newest snapshot this attempt saved
         self.estimates: list[dict[str, Any]] = []  # finished RTO estimates, handed over by observe()
         self.supervisor = psutil.Process()
+        self.memory = MemoryDir.open(spec, run_id)  # the memory tier's /dev/shm directory; close() deletes it
 
     # --- clock ---
 
@@ -109,7 +115,7 @@ class LocalWorld:
             **self.spec.worker_policy(), run_id=self.run_id, run_dir=self.paths.root.resolve(),
             ckpt_dir=self.ckpt_dir.resolve(), attempt=attempt, supervised=True, supervisor_pid=self.supervisor.pid,
             supervisor_start_time=self.supervisor.create_time(), resume_from=resume_from,
-            save_interval_cap_seconds=self._interval_cap(),
+            save_interval_cap_seconds=self._interval_cap(), memory_dir=self.memory.path,
         )
 
     def _interval_cap(self) -> float | None:
@@ -133,7 +139,7 @@ class LocalWorld:
         self._stop_rank_output()
         if self.show_ranks is not None:
             self.rank_output = RankOutput(log_dir / CONSOLE_NAME, self.show_ranks, self.progress.echo)
-        self.process = AttemptProcess(command, env, log_dir / CONSOLE_NAME)
+        self.process = self.standby.start(attempt, command, env, log_dir / CONSOLE_NAME)
 
     # --- observing ---
 
@@ -144,6 +150,8 @@ class LocalWorld:
         for rank in process.discover_ranks():
             obs.ranks[rank] = RankView(alive=process.alive(rank), beat=beats.get(rank))
         self._read_tails()
+        if self.first_step_time is not None:
+            self.standby.prepare()  # the next attempt's agent, warm while this one trains
         obs.steps, self.new_steps = self.new_steps, []
         obs.snapshot_step = self.attempt_snapshot
         obs.rto_estimate = self.estimates.pop(0) if self.estimates else None
@@ -227,9 +235,11 @@ class LocalWorld:
 
     def close(self) -> None:
         """Tear down an attempt still running (the supervisor is leaving on an error of its own)."""
+        self.standby.close()
         if self.process is not None and self.process.exit_code() is None:
             self.teardown()
         self._stop_rank_output()
+        self.memory.remove()  # memory snapshots live as long as this supervisor, whatever ended it
 
     def _stop_rank_output(self) -> None:
         """The ranks' last lines reach the terminal before what the supervisor says next."""
@@ -238,17 +248,17 @@ class LocalWorld:
             self.rank_output = None
 
     def newest_snapshot(self) -> Snapshot | None:
-        started = time.monotonic()
-        report = newest_verified(self.ckpt_dir, log=self.say)
-        if report is None:
-            return None
-        return Snapshot(report.path, report.step, time.monotonic() - started)
+        return self.source.newest()
+
+    def restart_snapshot(self) -> Snapshot | None:
+        """What a restart resumes from: the memory tier's newest snapshot when it is newer and usable, else durable."""
+        return self.memory.choose(self.newest_snapshot(), self.ckpt_dir, self.run_id, self.event, self.say)
 
     def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
-        return store.quarantine(snapshot, status, reason)
+        return self.source.quarantine(snapshot, status, reason)
 
     def abandon_after(self, snapshot: Path | None) -> list[Path]:
-        return store.abandon_after(self.ckpt_dir, snapshot)
+        return self.source.abandon_after(snapshot)
 
     def request_stop(self) -> None:
         self.paths.stop_file.touch()

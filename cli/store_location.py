@@ -1,0 +1,117 @@
+"""Where a command's snapshots live: a local directory or an object-store URL, told apart in one place.
+
+Every command that takes a checkpoint location (``launch --ckpt-dir``,
+``verify``, ``export``, ``estimate-rto``; through ``run.json`` also ``resume``
+and ``status``) goes through here: a URL either works or is refused with exit
+2 and the package to install — never treated as a local directory named
+``s3:``. A run's store is named in its ``run.json`` (the URL and the storage
+options that are not credentials); credentials come from the environment,
+``~/.aws`` or ``--storage-option`` and are never written there. A shared
+helper: imports only the error type and the runtime's torch-free contracts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from ckptrun.cli.errors import EXIT_NO, EXIT_REFUSED, CkptrunError
+from ckptrun.runtime.ckpt_url import StoreUrl, UrlError, is_secret, parse, parse_storage_options
+from ckptrun.runtime.remote_store import FsspecStore
+
+STAGING = "staging"  # RUN_DIR/staging: a store run's local copies without --local-cache, emptied after each upload
+
+
+def location(text: str | Path) -> Path | StoreUrl:
+    """A local path or a usable store URL; exit 2 with the fix otherwise."""
+    try:
+        return parse(text)
+    except UrlError as exc:
+        raise CkptrunError(str(exc), exc.hint, EXIT_REFUSED) from None
+
+
+def open_store(url: str, options: dict[str, Any] | None = None) -> FsspecStore:
+    parsed = location(url)
+    if not isinstance(parsed, StoreUrl):
+        raise CkptrunError(f"{url} is not an object-store URL", "pass s3://BUCKET/PREFIX or another fsspec URL")
+    return FsspecStore(parsed, options)
+
+
+def split_spec(data: dict[str, Any]) -> dict[str, Any]:
+    """A launch spec's raw values: ``ckpt_dir`` that is a URL becomes ``store_url``; ``--storage-option``
+    items become options, those that look like credentials kept apart (never written to run.json)."""
+    data = dict(data)
+    given = data.get("ckpt_dir")
+    if given is not None:
+        parsed = location(str(given))
+        if isinstance(parsed, StoreUrl):
+            data["store_url"], data["ckpt_dir"] = parsed.url, None
+    items = data.get("store_options")
+    if isinstance(items, (list, tuple, str)):
+        try:
+            found = parse_storage_options(items)
+        except UrlError as exc:
+            raise CkptrunError(str(exc), exc.hint, EXIT_REFUSED) from None
+        data["store_options"] = {k: v for k, v in found.items() if not is_secret(k)}
+        data["store_secrets"] = {**(data.get("store_secrets") or {}), **{k: v for k, v in found.items() if is_secret(k)}}
+    return data
+
+
+def worker_fields(store_url: str | None, cache_dir: Path | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The C1 fields of a store run: the URL, whether the local dir is a cache, the fsspec options (JSON)."""
+    if store_url is None:
+        return {}
+    return {"ckpt_url": store_url, "local_cache": cache_dir is not None,
+            "storage_options": json.dumps(options) if options else None}
+
+
+def local_dir(store_url: str | None, cache_dir: Path | None, ckpt_dir: Path | None, run_dir: Path) -> Path:
+    """Where a run's snapshots are written locally: --ckpt-dir; for a store, --local-cache or RUN_DIR/staging."""
+    if store_url is not None:
+        return cache_dir if cache_dir is not None else run_dir / STAGING
+    return ckpt_dir if ckpt_dir is not None else run_dir / "checkpoints"
+
+
+def store_of(spec: Any) -> FsspecStore | None:
+    """The object store a launch spec names (None for a local run)."""
+    if spec is None or getattr(spec, "store_url", None) is None:
+        return None
+    return open_store(spec.store_url, {**spec.store_options, **spec.store_secrets})
+
+
+def store_of_run(run_dir: Path) -> FsspecStore | None:
+    """The object store named by ``RUN_DIR/run.json`` (None when local or unreadable): commands that read a run."""
+    try:
+        spec = json.loads((run_dir / "run.json").read_text())["spec"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    url = spec.get("store_url") if isinstance(spec, dict) else None
+    return open_store(url, spec.get("store_options") or {}) if url else None
+
+
+def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], None] = lambda _: None) -> Any:
+    """The restore a restart would do (:func:`ckptrun.runtime.tiering.choose`) into ``cache`` (None: a
+    temporary directory); exit 1 when no snapshot of the line verifies, 2 when the store cannot be listed."""
+    from ckptrun.runtime.tiering import choose
+    from ckptrun.runtime.transfer import describe
+
+    target = cache if cache is not None else Path(tempfile.mkdtemp(prefix="ckptrun-fetch-"))
+    if cache is None:
+        atexit.register(shutil.rmtree, target, True)  # a copy for this command only
+    try:
+        choice = choose(store, target, log)
+    except Exception as exc:  # noqa: BLE001 - unreachable, credentials: one line, not a traceback
+        raise CkptrunError(f"cannot list {store.where}: {describe(exc)}",
+                           "check the URL, the endpoint and the credentials (environment, ~/.aws, --storage-option)") from None
+    if choice is None:
+        raise CkptrunError(f"no snapshot in {store.where} verifies", f"`ckptrun verify {store.where}` says what is wrong", EXIT_NO)
+    return choice
+
+
+def say(line: str) -> None:
+    print(f"ckptrun: {line}", file=sys.stderr, flush=True)

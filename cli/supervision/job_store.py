@@ -1,0 +1,215 @@
+"""The job's shared facts across nodes, kept in one ``torch.distributed.TCPStore`` the leader hosts.
+
+Node rank 0's supervisor hosts the store (``is_master=True``,
+``wait_for_workers=False``) on the rendezvous host at a port of its own — never
+torchrun's rendezvous port — and keeps it for the whole job, across every
+attempt; the other supervisors connect as clients with a bounded timeout.
+Keys live under ``ckptrun/<run>/`` and hold small JSON documents:
+
+    node/<k>              node k's supervisor: pid, host, incarnation (a relaunched launcher bumps it)
+    heartbeat/<k>         node k's supervisor is alive: time, attempt, state
+    attempt               the attempt every node runs now, and the snapshot it resumes from
+    a<N>/failure          the first failure of attempt N (node, ranks, cause): compare_set, first writer wins
+    a<N>/down/<k>         node k has torn attempt N down
+    a<N>/verify           the leader's candidate snapshot for attempt N+1, round r: every node verifies a share
+    a<N.r>/verify/<k>     node k's verdict on its share of round r's candidate
+    stop                  a stop asked on any node (signal, ``ckptrun stop``, time limit)
+    verdict               how the job ends, decided by the leader: done, stopped, gave up, requeue
+    ckpt_token            the token the leader wrote into the checkpoint dir (same storage everywhere?)
+
+The store has no TTL and no watch: everyone polls, and a node whose
+heartbeat stops changing is judged stale by the observer's own clock (no
+clock agreement needed between hosts). When the leader is gone every store
+call fails: :class:`StoreUnreachable`. torch is imported here lazily (only a
+multi-node launch builds a :class:`JobStore`; the import costs seconds once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterable
+
+DEFAULT_TIMEOUT_S = 10.0  # a client's connect and blocking-call limit: how long a lost leader can keep it waiting
+
+
+class StoreUnreachable(Exception):
+    """The leader's store cannot be reached: the leader (or its host) is gone."""
+
+
+def _tcp_store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
+    """A TCPStore, importing torch quietly (c10d's C++ warnings would otherwise flood the launcher's terminal)."""
+    if "torch" not in sys.modules:
+        previous = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # read once, when libtorch loads
+        try:
+            import torch.distributed  # noqa: F401
+        finally:
+            if previous is None:
+                os.environ.pop("TORCH_CPP_LOG_LEVEL", None)  # the attempts' ranks keep the user's setting
+            else:
+                os.environ["TORCH_CPP_LOG_LEVEL"] = previous
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # DistNetworkError / DistStoreError
+        raise StoreUnreachable(f"{host}:{port}: {str(exc).splitlines()[0]}") from None
+
+
+@dataclass
+class JobStore:
+    """Typed access to the job's keys; every call raises :class:`StoreUnreachable` once the leader is gone."""
+
+    store: Any
+    run_id: str
+    is_leader: bool = False
+
+    @classmethod
+    def host(cls, run_id: str, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "JobStore":
+        """The leader's store (port 0: a free one, read back with :attr:`port`); it lives as long as this object."""
+        return cls(_tcp_store(host, port, True, timeout_s), run_id, is_leader=True)
+
+    @classmethod
+    def connect(cls, run_id: str, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "JobStore":
+        """A client of the leader's store; fails after ``timeout_s`` when nobody listens."""
+        return cls(_tcp_store(host, port, False, timeout_s), run_id)
+
+    @property
+    def port(self) -> int:
+        return int(self.store.port)
+
+    # --- raw access -------------------------------------------------------------------
+
+    def key(self, *parts: object) -> str:
+        return "/".join(["ckptrun", self.run_id, *map(str, parts)])
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.store, method)(*args)
+        except RuntimeError as exc:
+            raise StoreUnreachable(f"the job's store ({method}): {str(exc).splitlines()[0]}") from None
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        self._call("set", key, json.dumps(value))
+
+    def read(self, key: str) -> dict[str, Any] | None:
+        """The document at ``key``, or None when nobody wrote it yet (never blocks)."""
+        if not self._call("check", [key]):
+            return None
+        return json.loads(self._call("get", key))
+
+    def first(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
+        """Write ``value`` unless someone wrote ``key`` first; returns what the key holds (the winner)."""
+        return json.loads(self._call("compare_set", key, "", json.dumps(value)))
+
+    def read_many(self, keys: Iterable[tuple[int, str]]) -> dict[int, dict[str, Any]]:
+        found = {}
+        for node, key in keys:
+            value = self.read(key)
+            if value is not None:
+                found[node] = value
+        return found
+
+    # --- nodes --------------------------------------------------------------------------
+
+    def join(self, node: int, **facts: Any) -> int:
+        """Node ``node``'s supervisor arrives; returns its incarnation (1, then 2 for a relaunched one…)."""
+        incarnation = int(self._call("add", self.key("node", node, "joins"), 1))
+        self.put(self.key("node", node), {"node": node, "incarnation": incarnation, "time": time.time(),
+                                          "pid": os.getpid(), **facts})
+        return incarnation
+
+    def node(self, node: int) -> dict[str, Any] | None:
+        return self.read(self.key("node", node))
+
+    def beat(self, node: int, **facts: Any) -> None:
+        self.put(self.key("heartbeat", node), {"node": node, "time": time.time(), **facts})
+
+    def heartbeats(self, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
+        return self.read_many((n, self.key("heartbeat", n)) for n in nodes)
+
+    # --- attempts -----------------------------------------------------------------------
+
+    def start_attempt(self, attempt: int, snapshot: dict[str, Any] | None, nodes: list[int]) -> None:
+        """The leader's word: every node runs ``attempt`` from ``snapshot`` (step, digest, path; None: scratch)."""
+        self.put(self.key("attempt"), {"attempt": attempt, "snapshot": snapshot, "nodes": nodes, "time": time.time()})
+
+    def attempt(self) -> dict[str, Any] | None:
+        return self.read(self.key("attempt"))
+
+    def report_failure(self, attempt: int, node: int, ranks: list[int], cause: str, **facts: Any) -> dict[str, Any]:
+        """Record this failure of ``attempt`` unless another node's came first; returns the first one."""
+        mine = {"attempt": attempt, "node": node, "ranks": ranks, "cause": cause, "time": time.time(), **facts}
+        return self.first(self.key(f"a{attempt}", "failure"), mine)
+
+    def failure(self, attempt: int) -> dict[str, Any] | None:
+        return self.read(self.key(f"a{attempt}", "failure"))
+
+    def ack_teardown(self, attempt: int, node: int, **facts: Any) -> None:
+        self.put(self.key(f"a{attempt}", "down", node), {"node": node, "time": time.time(), **facts})
+
+    def teardown_acks(self, attempt: int, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
+        return self.read_many((n, self.key(f"a{attempt}", "down", n)) for n in nodes)
+
+    def ask_verify(self, attempt: int, round: int, path: str, nodes: list[int]) -> None:
+        """The leader's candidate for the attempt after ``attempt``: every node verifies its share of it."""
+        self.put(self.key(f"a{attempt}", "verify"), {"round": round, "path": path, "nodes": nodes, "time": time.time()})
+
+    def verify_asked(self, attempt: int) -> dict[str, Any] | None:
+        return self.read(self.key(f"a{attempt}", "verify"))
+
+    def post_verify(self, attempt: int | str, node: int, ok: bool, files: int, seconds: float, problems: list[str]) -> None:
+        self.put(self.key(f"a{attempt}", "verify", node),
+                 {"node": node, "ok": ok, "files": files, "seconds": seconds, "problems": problems[:5]})
+
+    def verify_verdicts(self, attempt: int | str, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
+        return self.read_many((n, self.key(f"a{attempt}", "verify", n)) for n in nodes)
+
+    # --- the job's end ------------------------------------------------------------------------
+
+    def request_stop(self, node: int, reason: str) -> dict[str, Any]:
+        """Ask every node to save and stop; returns the first request (several nodes may ask at once)."""
+        return self.first(self.key("stop"), {"node": node, "reason": reason, "time": time.time()})
+
+    def stop_request(self) -> dict[str, Any] | None:
+        return self.read(self.key("stop"))
+
+    def set_verdict(self, action: str, code: int, message: str, **facts: Any) -> None:
+        """How the job ends (leader only): ``done``, ``stopped``, ``gave_up`` or ``requeue``, with the exit code."""
+        self.put(self.key("verdict"), {"action": action, "code": code, "message": message, "time": time.time(), **facts})
+
+    def verdict(self) -> dict[str, Any] | None:
+        return self.read(self.key("verdict"))
+
+    def set_token(self, token: str) -> None:
+        self.put(self.key("ckpt_token"), {"token": token})
+
+    def token(self) -> str | None:
+        value = self.read(self.key("ckpt_token"))
+        return None if value is None else str(value["token"])
+
+
+@dataclass
+class NodeWatch:
+    """Which nodes went silent: a heartbeat that has not changed for ``timeout_s`` of *our* clock is stale."""
+
+    timeout_s: float
+    seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # node → (its beat's time, our time it changed)
+
+    def observe(self, beats: dict[int, dict[str, Any]], now: float) -> None:
+        for node, beat in beats.items():
+            stamp = float(beat.get("time", 0.0))
+            if node not in self.seen or self.seen[node][0] != stamp:
+                self.seen[node] = (stamp, now)
+
+    def stale(self, nodes: Iterable[int], now: float, since: float) -> list[int]:
+        """Nodes silent for longer than the timeout (a node never seen counts from ``since``)."""
+        return [n for n in nodes if now - self.seen.get(n, (0.0, since))[1] > self.timeout_s]
+
+    def forget(self, node: int) -> None:
+        self.seen.pop(node, None)

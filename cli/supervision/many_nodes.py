@@ -1,0 +1,156 @@
+"""``launch`` and ``resume`` on many nodes: one launcher per node, node rank 0 leads.
+
+The leader does what one node does (refuses a used run dir, writes
+``run.json``, picks the snapshot) and then hosts the job's store; it writes a
+fresh token into the checkpoint directory and publishes it, and every other
+node must read the same token from *its* checkpoint directory — the
+directory must be one storage everywhere — or is refused (exit 2). The
+others join: they read the leader's ``run.json`` from the shared run dir and
+run its spec as node ``k``. torch is imported (for the store) only here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
+from ckptrun.cli.progress import Progress
+from ckptrun.cli.supervision.attempt import default_job
+from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
+from ckptrun.cli.supervision.node_agent import NodeSupervisor
+from ckptrun.cli.supervision.node_env import NodeSettings
+from ckptrun.cli.supervision.node_world import NodePaths, NodeWorld
+from ckptrun.cli.supervision.observation import Snapshot, StopControl
+from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
+from ckptrun.cli.supervision.recovery import RecoveryOptions
+from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock
+from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _report, _stop_signals, cadence, ckpt_dir_of)
+from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
+from ckptrun.cli.supervision.world import Estimator
+from ckptrun.runtime import records
+
+TOKEN_NAME = ".ckptrun-storage-token"  # in the checkpoint dir: every node must read what the leader wrote
+JOIN_POLL_S = 0.5
+
+
+def start_nodes(spec: LaunchSpec, settings: NodeSettings, argv: list[str], as_json: bool, estimator: Estimator) -> int:
+    """``ckptrun launch --nnodes N``: the leader creates the run, the others join it."""
+    run_dir = spec.run_dir or RUNS_ROOT / str(settings.job_id)
+    paths = NodePaths(run_dir, node=settings.node_rank)
+    if settings.leader:
+        _refuse_used(paths, ckpt_dir_of(spec, run_dir))
+    return _node_run(paths, settings, argv, as_json, estimator, spec=spec)
+
+
+def resume_nodes(run_dir: Path, settings: NodeSettings, overrides: dict[str, Any], argv: list[str], as_json: bool,
+                 estimator: Estimator) -> int:
+    """``ckptrun resume --latest`` on every node: the leader applies the overrides (run.json, which the others
+    read) and picks the newest verified snapshot."""
+    paths = NodePaths(run_dir, node=settings.node_rank)
+    return _node_run(paths, settings, argv, as_json, estimator, spec=None, overrides=overrides)
+
+
+def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json: bool, estimator: Estimator,
+              spec: LaunchSpec | None, overrides: dict[str, Any] | None = None) -> int:
+    paths.node_dir.mkdir(parents=True, exist_ok=True)
+    with RunLock(paths):
+        if settings.leader:
+            record, first, resume = _lead(paths, settings, argv, spec, overrides or {})
+            job = JobStore.host(record.run_id, settings.host, settings.store_port)
+            token = uuid.uuid4().hex
+            ckpt_dir = ckpt_dir_of(record.spec, paths.root)
+            if not record.spec.store_url:  # an object-store URL names one storage for every node already
+                ckpt_dir.mkdir(parents=True, exist_ok=True)
+                (ckpt_dir / TOKEN_NAME).write_text(token)
+            job.set_token(token)
+        else:
+            job, record = _join(paths, settings, spec.ckpt_dir if spec is not None else None)
+            first, resume = 1, None
+        record.spec.node_rank = settings.node_rank
+        return _supervise(record, paths, settings, job, first, resume, as_json, estimator)
+
+
+def _lead(paths: NodePaths, settings: NodeSettings, argv: list[str], spec: LaunchSpec | None,
+          overrides: dict[str, Any]) -> tuple[RunRecord, int, Snapshot | None]:
+    if spec is not None:  # a new run
+        spec.run_dir, spec.ckpt_dir = paths.root.resolve(), ckpt_dir_of(spec, paths.root).resolve()
+        record = RunRecord(run_id=str(settings.job_id), argv=argv, spec=spec)
+        write_run_record(paths.root, record)
+        records.log_event(paths.root, "launch", run_id=record.run_id, argv=argv, spec=spec.model_dump(mode="json"),
+                          nnodes=settings.nnodes)
+        return record, 1, None
+    record = read_run_record(paths.root)
+    given = {key: value for key, value in overrides.items() if value is not None}
+    if given:  # written before the store opens: the other nodes read run.json once the leader's token is there
+        record.spec = build_spec({**record.spec.model_dump(), **given})
+        write_run_record(paths.root, record)
+    snapshot = _newest(ckpt_dir_of(record.spec, paths.root))
+    first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(paths.root, "attempt_start")), default=0)
+    records.log_event(paths.root, "resume", attempt=first, snapshot=str(snapshot.path), snapshot_step=snapshot.step,
+                      argv=argv, forked=False, nnodes=settings.nnodes)
+    return record, first, snapshot
+
+
+def _join(paths: NodePaths, settings: NodeSettings, own_ckpt_dir: Path | None) -> tuple[JobStore, RunRecord]:
+    """Connect to the leader's store (it may start later: up to the start-up allowance), check the storage."""
+    deadline = time.monotonic() + 120.0
+    job: JobStore | None = None
+    while job is None:
+        try:
+            job = JobStore.connect(str(settings.job_id), settings.host, settings.store_port, timeout_s=5.0)
+        except StoreUnreachable:
+            if time.monotonic() > deadline:
+                raise CkptrunError(f"node rank 0's launcher did not answer at {settings.host}:{settings.store_port}",
+                                   "start `ckptrun launch` on node rank 0 with the same --rdzv-endpoint") from None
+    token = None
+    while token is None and time.monotonic() < deadline:
+        token = job.token()
+        time.sleep(0 if token else JOIN_POLL_S)
+    record = read_run_record(paths.root)
+    ckpt_dir = own_ckpt_dir or ckpt_dir_of(record.spec, paths.root)  # what this node was told, checked against node 0's
+    try:
+        mine = (ckpt_dir / TOKEN_NAME).read_text()
+    except OSError:
+        mine = None
+    if token is None or (mine != token and not record.spec.store_url):
+        raise CkptrunError(f"checkpoint directory {ckpt_dir} on node {settings.node_rank} is not the storage node 0 "
+                           "writes to (its token is missing or different)",
+                           "put the run dir and --ckpt-dir on storage every node mounts at the same path", EXIT_REFUSED)
+    return job, record
+
+
+def _supervise(record: RunRecord, paths: NodePaths, settings: NodeSettings, job: JobStore, first: int,
+               resume: Snapshot | None, as_json: bool, estimator: Estimator) -> int:
+    spec = record.spec
+    progress = Progress(out=sys.stderr if as_json else sys.stdout)
+    target = [str(spec.script or default_job()), *spec.script_args]
+    node_timeout = max(5.0, min(spec.heartbeat_timeout, 30.0))
+    world = NodeWorld(spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress,
+                      restored_step=resume.step if resume else None, estimator=estimator,
+                      settings=settings, job=job, node_timeout=node_timeout)
+    stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
+    policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
+    timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)
+    checks = RecoveryOptions(spec.deterministic, spec.require_exact_resume, spec.rto_budget, spec.strict_budget)
+    supervisor = NodeSupervisor(world, policy, timeouts, stop, first, resume, checks, faults=spec.inject_fault,
+                                join_timeout=spec.node_join_timeout)
+    supervisor.plain_seen = bool(records.read_events(paths.root, "plain_script"))
+    if settings.leader:
+        paths.stop_file.unlink(missing_ok=True)
+    role = "leader" if settings.leader else f"node {settings.node_rank} of {settings.max_nodes}"
+    progress.say(f"run {record.run_id} in {paths.root} as {role} (logs: {paths.logs})")
+    progress.say(f"snapshots (scripts that use ckptrun.runtime): {cadence(spec)}")
+    with _stop_signals(stop, spec.stop_signal):
+        try:
+            outcome = supervisor.supervise()
+        finally:
+            world.close()
+            progress.close()
+    if settings.leader:
+        paths.stop_file.unlink(missing_ok=True)
+    return _report(outcome, record, paths, progress, as_json)
+

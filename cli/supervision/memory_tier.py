@@ -1,0 +1,181 @@
+"""The memory tier, supervisor side: the ``/dev/shm`` directory it owns, and whether a restart restores from it.
+
+With ``--memory-every-steps`` the supervisor creates ``/dev/shm/ckptrun-<run id>-<host>``
+(mode 0700) before the first attempt, names it in C1 (``RunEnv.memory_dir``)
+and deletes it when it leaves, whatever the exit path (the world's ``close``).
+The ranks write ordinary snapshots there (:mod:`ckptrun.runtime.memory_tier`);
+because the supervisor, not a rank, owns the directory, they survive a rank
+crash. A supervisor killed with SIGKILL cannot clean up: the next ckptrun
+supervisor on the host removes directories whose owner is gone.
+
+Restart choice: the newest memory snapshot of this run and of the current
+lineage (the durable directory's ``lineage.json``) that is newer than the
+newest verified durable snapshot and verifies (every digest) is used; else
+the durable one. A memory snapshot that fails the check is skipped and
+deleted, never quarantined into the durable directory; so are the memory
+snapshots newer than the one chosen (a future the restart will not replay).
+The ``restore_source`` event says which tier and why. Never across nodes: a
+many-node launch with the tier is refused. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
+from ckptrun.cli.supervision.observation import Snapshot
+from ckptrun.cli.supervision.rundir import alive
+from ckptrun.runtime import store
+from ckptrun.runtime.manifest import ManifestError, read_manifest
+from ckptrun.runtime.verify import verify_snapshot
+
+SHM_ROOT = Path("/dev/shm")
+DIR_PREFIX = "ckptrun-"
+OWNER = "owner.json"
+
+
+def directory_name(run_id: str, host: str | None = None) -> str:
+    """``ckptrun-<run id>-<host>``: one per run and node, in characters any filesystem takes."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{DIR_PREFIX}{run_id}-{host or socket.gethostname()}")
+
+
+def refuse_unsupported(spec: Any, root: Path = SHM_ROOT) -> None:
+    """Before anything runs: the tier needs one node and a writable ``root`` (exit 2 otherwise)."""
+    if not spec.memory_every_steps:
+        return
+    if spec.nnodes.split(":")[-1] != "1":
+        raise CkptrunError("--memory-every-steps works on one node for now (each node's memory snapshot would "
+                           "hold only its own ranks' shards)", "drop --memory-every-steps for a many-node run",
+                           EXIT_REFUSED)
+    if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+        raise CkptrunError(f"--memory-every-steps needs node-local shared memory at {root}, and this machine has "
+                           "none there (or it is not writable)",
+                           f"drop --memory-every-steps (durable snapshots only), or mount a tmpfs at {root}",
+                           EXIT_REFUSED)
+
+
+def sweep_stale(root: Path = SHM_ROOT) -> list[Path]:
+    """Remove memory directories whose supervisor is gone (it was killed before it could clean up)."""
+    removed = []
+    for path in root.glob(f"{DIR_PREFIX}*"):
+        try:
+            owner = json.loads((path / OWNER).read_text())
+            gone = not alive(int(owner["pid"]), float(owner["start_time"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            gone = path.is_dir() and time.time() - path.stat().st_mtime > 60  # no owner file after a minute
+        if gone:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+@dataclass
+class Choice:
+    """The snapshot a restart uses, which tier it is in, why, and the memory snapshots passed over."""
+
+    snapshot: Snapshot | None
+    tier: str  # "memory", "disk" or "none"
+    reason: str
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_event(self) -> dict[str, Any]:
+        return {"tier": self.tier, "snapshot": str(self.snapshot.path) if self.snapshot else None,
+                "step": self.snapshot.step if self.snapshot else None, "reason": self.reason, "skipped": self.skipped}
+
+
+def choose(durable: Snapshot | None, memory_dir: Path, ckpt_dir: Path, run_id: str) -> Choice:
+    """Memory when its newest usable snapshot is newer than ``durable`` (already verified), else ``durable``."""
+    floor = durable.step if durable is not None else -1
+    try:
+        lineage = store.read_lineage(ckpt_dir)
+    except store.LineageError as exc:
+        return Choice(durable, _tier(durable), f"the lineage is unreadable, memory not trusted: {exc}")
+    skipped: list[dict[str, Any]] = []
+    entries = [e for e in store.list_entries(memory_dir, include_abandoned=False) if e.kind == "published"]
+    for entry in sorted(entries, key=lambda e: e.step, reverse=True):
+        if entry.step <= floor:
+            break
+        problem = _unusable(entry.path, lineage, run_id)
+        if problem is None:
+            started = time.monotonic()
+            report = verify_snapshot(entry.path)
+            if report.ok:
+                newer = f"the newest durable one (step {floor})" if durable else "any durable one (none verified)"
+                return Choice(Snapshot(entry.path, entry.step, time.monotonic() - started), "memory",
+                              f"memory step {entry.step} is newer than {newer}", skipped)
+            problem = f"does not verify ({report.status}): {'; '.join(report.problems[:2])}"
+        skipped.append({"snapshot": str(entry.path), "step": entry.step, "reason": problem})
+    if skipped:
+        why = f"no usable memory snapshot newer than step {floor} ({len(skipped)} skipped)"
+    else:
+        why = f"no memory snapshot newer than step {floor}" if durable else "no snapshot in memory or on disk"
+    return Choice(durable, _tier(durable), why, skipped)
+
+
+def _tier(durable: Snapshot | None) -> str:
+    return "disk" if durable is not None else "none"
+
+
+def _unusable(path: Path, lineage: store.Lineage | None, run_id: str) -> str | None:
+    """Why a memory snapshot may not be restored whatever its bytes say (another run, another line), or None."""
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as exc:
+        return f"no readable manifest: {exc}"
+    if manifest.run_id != run_id:
+        return f"written by run {manifest.run_id}, not {run_id}"
+    if lineage is not None and not lineage.contains(manifest):
+        return f"of lineage {manifest.lineage}, not the current one ({lineage.current}): never across a fork"
+    return None
+
+
+class MemoryDir:
+    """The run's memory directory on this node (``path`` None: the tier is off)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+
+    @classmethod
+    def open(cls, spec: Any, run_id: str, root: Path = SHM_ROOT) -> "MemoryDir":
+        """Create the directory for this supervisor (an older one of this run, left by a killed supervisor, goes)."""
+        if not spec.memory_every_steps:
+            return cls(None)
+        refuse_unsupported(spec, root)
+        sweep_stale(root)
+        path = root / directory_name(run_id)
+        shutil.rmtree(path, ignore_errors=True)  # the run lock says no other supervisor runs this run
+        path.mkdir(mode=0o700)
+        me = psutil.Process()
+        (path / OWNER).write_text(json.dumps({"pid": me.pid, "start_time": me.create_time(), "run_id": run_id}))
+        return cls(path)
+
+    def choose(self, durable: Snapshot | None, ckpt_dir: Path, run_id: str,
+               event: Callable[..., None], say: Callable[[str], None]) -> Snapshot | None:
+        """The snapshot a restart uses (see :func:`choose`), with a ``restore_source`` event; memory snapshots
+        skipped or newer than the choice are deleted."""
+        if self.path is None:
+            return durable
+        choice = choose(durable, self.path, ckpt_dir, run_id)
+        keep_up_to = choice.snapshot.step if choice.snapshot else -1
+        for entry in store.list_entries(self.path, include_abandoned=True):
+            if entry.step > keep_up_to and entry.kind in ("published", "quarantined"):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        event("restore_source", **choice.to_event())
+        if choice.tier == "memory" or choice.skipped:
+            say(f"restore from {choice.tier}: {choice.reason}")
+        return choice.snapshot
+
+    def remove(self) -> None:
+        """Delete the directory and every memory snapshot in it (the run ends, or the supervisor leaves)."""
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)

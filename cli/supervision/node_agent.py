@@ -1,0 +1,283 @@
+"""The supervisor of one node in a multi-node job: the single-node state machine per attempt, the job's
+decisions between attempts.
+
+Each node watches its own attempt exactly as on one node (crash, hang with
+stack dumps, stop, first step: :class:`~ckptrun.cli.supervision.supervisor.Supervisor`).
+Between attempts the roles differ. Every node acknowledges its teardown in
+the store. The leader (node rank 0) alone holds the restart budget,
+back-off, no-progress rule and RTO ledger: it takes the attempt's *first*
+failure from the store (one budget unit per incident, whichever node saw
+it), waits for every node's teardown (and, after a lost node, for its
+relaunched launcher to join, up to ``--node-join-timeout``), picks and
+verifies the snapshot and publishes the next attempt; the other nodes
+relaunch with that attempt number and snapshot, or end with the leader's
+verdict. A client that loses the leader tears down and exits
+:data:`EXIT_REQUEUE` (resumable: the scheduler restarts the job).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+from ckptrun.cli.errors import EXIT_NO, EXIT_REQUEUE
+from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
+from ckptrun.cli.supervision.node_verify import answer
+from ckptrun.cli.supervision.node_world import LEADER_LOST_S, LeaderLost, NodeWorld
+from ckptrun.cli.supervision.observation import AttemptWatch, Outcome, Snapshot, State
+from ckptrun.cli.supervision.policy import GiveUp
+from ckptrun.cli.supervision.supervisor import Supervisor
+
+
+def describe_snapshot(snapshot: Snapshot | None) -> dict[str, Any] | None:
+    """What the store carries about the chosen snapshot: path, step and the manifest's digest."""
+    if snapshot is None:
+        return None
+    manifest = Path(snapshot.path) / "manifest.json"
+    digest = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.exists() else None
+    return {"path": str(snapshot.path), "step": snapshot.step, "digest": digest, "verify_s": snapshot.verify_s}
+
+
+class NodeSupervisor(Supervisor):
+    """One node's supervisor; ``world.settings.leader`` says whether it decides for the job."""
+
+    world: NodeWorld
+
+    def __init__(self, *args: Any, join_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.join_timeout = join_timeout
+        self.incarnations: dict[int, int] = {}
+
+    @property
+    def job(self) -> JobStore:
+        return self.world.job
+
+    @property
+    def leader(self) -> bool:
+        return self.world.settings.leader
+
+    def supervise(self) -> Outcome:
+        try:
+            outcome = self._supervise()
+        except LeaderLost as exc:
+            return self._leader_lost(str(exc))
+        if self.leader:
+            self._publish_end(outcome)
+        else:
+            self._ack_end(outcome)
+        return outcome
+
+    def _supervise(self) -> Outcome:
+        first = self._first_attempt()
+        if isinstance(first, Outcome):
+            return first
+        attempt, resume = first
+        while True:
+            watch = self.run_attempt(attempt, resume)
+            if self.abort is not None:
+                return self._aborted(watch, self.abort)
+            if watch.state is State.SUCCEEDED:
+                return self._done(watch)
+            if watch.state is State.STOPPED:
+                return self._stopped(watch)
+            self._call(self.job.ack_teardown, attempt, self.world.node, teardown_s=watch.teardown_s)
+            step = self._decide(watch) if self.leader else self._follow(attempt)
+            if isinstance(step, Outcome):
+                return step
+            attempt, resume = step
+
+    # --- the first attempt -----------------------------------------------------------------
+
+    def _first_attempt(self) -> tuple[int, Snapshot | None] | Outcome:
+        joined = time.time()
+        self._call(self.job.join, self.world.node)
+        if self.leader:
+            self._wait_for_nodes(self.world.nodes, self.timeouts.startup, "to join")
+            self._call(self.job.start_attempt, self.first_attempt, describe_snapshot(self.resume), self.world.nodes)
+            return self.first_attempt, self.resume
+        first = self._next_attempt(after=joined)
+        if not isinstance(first, Outcome):
+            self.first_attempt, self.restarts = first[0], 0  # restarts count from here, as on the leader
+        return first
+
+    # --- the leader between attempts --------------------------------------------------------
+
+    def _decide(self, watch: AttemptWatch) -> tuple[int, Snapshot | None] | Outcome:
+        first = self.job.failure(watch.attempt) or {}
+        if first.get("node") not in (None, self.world.node):
+            watch.failure = {**(watch.failure or {}), **{k: first.get(k) for k in ("cause", "rank", "step", "detect_s")},
+                             "node": first.get("node")}
+        self._wait_for_acks(watch.attempt)
+        waited, lost_nodes = time.monotonic(), self._lost_nodes(first)
+        for lost in lost_nodes:
+            if not self._wait_for_rejoin(lost) and not self._shrink(watch, lost):
+                reason = f"node {lost} was lost and no launcher of node rank {lost} joined within {self.join_timeout:g}s"
+                return self._give_up(watch, GiveUp(EXIT_NO, reason, "relaunch `ckptrun resume --latest` on every node"))
+        self._grow(watch)
+        waited = time.monotonic() - waited
+        set_aside = self._quarantine_unloadable(watch)
+        verdict = self.policy.verdict(self._facts(watch, set_aside))
+        if isinstance(verdict, GiveUp):
+            return self._give_up(watch, verdict)
+        self.world.verify_for = watch.attempt  # the restart's snapshot: every node verifies a share
+        snapshot = self._prepare_restart(watch, verdict)
+        if snapshot is False:
+            return self._stopped(watch)
+        if self.pending_restart is not None:  # the RTO ledger: a lost node's rejoin wait, and who verified
+            self.pending_restart.update(node_join_s=waited, nodes=list(self.world.active), lost_nodes=lost_nodes)
+        self.job.start_attempt(watch.attempt + 1, describe_snapshot(snapshot or None), self.world.active)
+        return watch.attempt + 1, snapshot or None
+
+    def _wait_for_acks(self, attempt: int) -> None:
+        """Every node has torn attempt ``attempt`` down (a silent or relaunched node is not waited for)."""
+        deadline = time.monotonic() + self.timeouts.grace + self.world.watch.timeout_s
+        while time.monotonic() < deadline:
+            gone = set(self._silent()) | set(self._relaunched())
+            acks = set(self.job.teardown_acks(attempt, self.world.active))
+            if set(self.world.active) <= acks | gone | {self.world.node}:
+                return
+            time.sleep(self.timeouts.poll)
+
+    def _others(self) -> list[int]:
+        return [n for n in self.world.active if n != self.world.node]
+
+    def _shrink(self, watch: AttemptWatch, lost: int) -> bool:
+        """Elastic (``--nnodes MIN:MAX`` with ``--allow-reshard``): go on without ``lost`` if MIN nodes remain."""
+        left = [n for n in self.world.active if n != lost]
+        if len(left) < self.world.settings.min_nodes or not self.world.spec.allow_reshard:
+            return False
+        self.world.active = left
+        self.world.event("nodes_changed", attempt=watch.attempt + 1, lost=[lost], nodes=left,
+                         reason=f"node {lost} did not rejoin within {self.join_timeout:g}s: continuing resharded")
+        self.world.say(f"node {lost} did not come back: continuing on nodes {left} from the newest snapshot, resharded")
+        return True
+
+    def _grow(self, watch: AttemptWatch) -> None:
+        """A dropped node whose launcher joined again takes part from the next attempt on."""
+        back = [n for n in self.world.nodes if n not in self.world.active
+                and int((self.job.node(n) or {}).get("incarnation", 0)) > self.incarnations.get(n, 1)]
+        if back:
+            for node in back:
+                self.incarnations[node] = int((self.job.node(node) or {})["incarnation"])
+            self.world.active = sorted({*self.world.active, *back})
+            self.world.event("nodes_changed", attempt=watch.attempt + 1, joined=back, nodes=self.world.active,
+                             reason="a dropped node's launcher joined again")
+
+    def _silent(self) -> list[int]:
+        """Nodes whose supervisor stopped beating (the leader's own clock judges)."""
+        self.world.watch.observe(self.job.heartbeats(self._others()), time.time())
+        return self.world.watch.stale(self._others(), time.time(), since=time.time())
+
+    def _relaunched(self) -> list[int]:
+        """Nodes whose launcher was replaced by a new one (it joined again: a higher incarnation)."""
+        return [n for n in self._others()
+                if int((self.job.node(n) or {}).get("incarnation", 0)) > self.incarnations.get(n, 1)]
+
+    def _lost_nodes(self, first: dict[str, Any]) -> list[int]:
+        """Nodes whose launcher died in this attempt, whatever was reported first (a lost node's peers
+        usually crash in a collective before its heartbeat goes stale)."""
+        lost = set(self._silent()) | set(self._relaunched())
+        if first.get("cause") == "node lost":
+            lost.add(int(first["node"]))
+        return sorted(lost)
+
+    def _wait_for_rejoin(self, node: int) -> bool:
+        self.world.say(f"node {node} is lost: waiting up to {self.join_timeout:g}s for its launcher to join again")
+        before = self.incarnations.get(node, 1)
+        self.world.event("node_wait", node=node, join_timeout_s=self.join_timeout)
+        started = time.time()
+        deadline = time.monotonic() + self.join_timeout
+        while time.monotonic() < deadline:
+            record = self.job.node(node) or {}
+            if int(record.get("incarnation", 0)) > before:
+                self.incarnations[node] = int(record["incarnation"])
+                self.world.event("node_joined", node=node, waited_s=time.time() - started)
+                return True
+            time.sleep(self.timeouts.poll)
+        return False
+
+    def _wait_for_nodes(self, nodes: list[int], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        missing = nodes
+        while time.monotonic() < deadline:
+            missing = [n for n in nodes if n != self.world.node and self.job.node(n) is None]
+            if not missing:
+                for n in nodes:
+                    self.incarnations[n] = int((self.job.node(n) or {}).get("incarnation", 1))
+                return
+            time.sleep(self.timeouts.poll)
+        raise LeaderLost(f"nodes {missing} did not join within {timeout:g}s")  # ends the job, resumable
+
+    # --- a client between attempts ------------------------------------------------------------
+
+    def _follow(self, attempt: int) -> tuple[int, Snapshot | None] | Outcome:
+        return self._next_attempt(after_attempt=attempt)
+
+    def _next_attempt(self, after: float | None = None, after_attempt: int | None = None) -> tuple[int, Snapshot | None] | Outcome:
+        """Wait for the leader's word: the next attempt (and its snapshot) or how the job ends."""
+        unreachable, verified = None, set()
+        while True:
+            try:
+                verdict = self.job.verdict()
+                record = self.job.attempt()
+                unreachable = None
+            except StoreUnreachable as exc:
+                unreachable = unreachable or time.monotonic()
+                if time.monotonic() - unreachable >= LEADER_LOST_S:
+                    raise LeaderLost(str(exc)) from None
+                time.sleep(self.timeouts.poll)
+                continue
+            if record is not None:
+                self._call(answer, self.job, int(record["attempt"]), self.world.node, verified)
+            if verdict is not None:
+                return Outcome(int(verdict["code"]), str(verdict["message"]), verdict.get("hint"),
+                               restarts=int(verdict.get("restarts", 0)))
+            fresh = record is not None and (
+                (after is not None and float(record["time"]) >= after - 1.0)
+                or (after_attempt is not None and int(record["attempt"]) > after_attempt)) and self.world.node in record["nodes"]
+            if fresh:
+                snap = record.get("snapshot")
+                resume = Snapshot(Path(snap["path"]), int(snap["step"])) if snap else None
+                self.restarts = max(self.restarts, int(record["attempt"]) - self.first_attempt)
+                self.world.active = [int(n) for n in record["nodes"]]
+                return int(record["attempt"]), resume
+            self._call(self.job.beat, self.world.node, attempt=after_attempt, state="waiting")
+            if self.stop.reason(time.time(), self.world.stop_file_present()):
+                self._call(self.job.request_stop, self.world.node, "stop while waiting for the leader")
+            time.sleep(self.timeouts.poll)
+
+    # --- endings --------------------------------------------------------------------------------
+
+    def _publish_end(self, outcome: Outcome) -> None:
+        """Say how the job ended, then keep the store up until every node has read it (bounded)."""
+        action = {0: "done", 3: "stopped"}.get(outcome.code, "gave_up")
+        self._call(self.job.set_verdict, action, outcome.code, outcome.message, hint=outcome.hint,
+                   restarts=self.restarts)
+        deadline = time.monotonic() + self.timeouts.grace
+        waiting = [n for n in self.world.nodes if n not in self.world.active  # dropped, then joined again
+                   and int((self._call(self.job.node, n) or {}).get("incarnation", 0)) > self.incarnations.get(n, 1)]
+        others = [n for n in {*self.world.active, *waiting} if n != self.world.node]
+        while time.monotonic() < deadline and others:
+            ended = self._call(self.job.teardown_acks, "end", others) or {}
+            if set(others) <= set(ended):
+                return
+            time.sleep(self.timeouts.poll)
+
+    def _ack_end(self, outcome: Outcome) -> None:
+        self._call(self.job.ack_teardown, "end", self.world.node, code=outcome.code)
+
+    def _leader_lost(self, detail: str) -> Outcome:
+        self.world.close()
+        self.world.event("leader_lost", detail=detail)
+        self.world.say(f"lost the job's leader (node 0): {detail}; this node's ranks are down")
+        return Outcome(EXIT_REQUEUE, "lost the job's leader (node 0's launcher or its host is gone)",
+                       "the job is resumable: let the scheduler requeue it, or run `ckptrun resume --latest` "
+                       "on every node", restarts=self.restarts)
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except StoreUnreachable:
+            return None

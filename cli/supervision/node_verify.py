@@ -1,0 +1,86 @@
+"""The snapshot for the next attempt, verified by every node at once: each hashes a disjoint share of its files.
+
+Between attempts the leader names a candidate in the job's store — the newest
+published snapshot of the current lineage not yet refused — and every node
+(the leader too) checks files ``i, i+n, i+2n…`` of its manifest, ``i`` its node
+rank and ``n`` the node count, and posts its verdict. The candidate is taken
+when every share is good; a snapshot any node finds bad is skipped by all (only
+the leader's choice is ever relaunched) and the next one is named. Verify time
+falls with the node count. A node that does not answer within
+:data:`ANSWER_S` (lost, or its launcher is being replaced) has its share
+hashed by the leader. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from ckptrun.cli.supervision.job_store import JobStore
+from ckptrun.cli.supervision.observation import Snapshot
+from ckptrun.runtime.manifest import ManifestError, read_manifest
+from ckptrun.runtime.store import list_entries, read_lineage
+from ckptrun.runtime.verify import verify_snapshot
+
+ANSWER_S = 30.0  # a node's verdict on its share; after this the leader hashes the share itself
+POLL_S = 0.05
+
+
+def verify_share(job: JobStore, attempt: int, round: int, path: Path, node: int, nodes: list[int]) -> bool:
+    """Node ``node``'s share of round ``round``'s candidate: hash it, post the verdict; True when it is good."""
+    started = time.monotonic()
+    share = (nodes.index(node), len(nodes))
+    report = verify_snapshot(path, share=share)
+    mine = len(report.manifest.files[share[0]::share[1]]) if report.manifest else 0
+    job.post_verify(f"{attempt}.{round}", node, report.ok, mine, time.monotonic() - started, report.problems)
+    return report.ok
+
+
+def answer(job: JobStore, attempt: int, node: int, done: set[int]) -> None:
+    """A follower between attempts: verify its share of a candidate the leader named (once per round)."""
+    asked = job.verify_asked(attempt)
+    if asked is None or int(asked["round"]) in done or node not in asked["nodes"]:
+        return
+    done.add(int(asked["round"]))
+    verify_share(job, attempt, int(asked["round"]), Path(asked["path"]), node, list(asked["nodes"]))
+
+
+def choose(job: JobStore, attempt: int, ckpt_dir: Path, nodes: list[int], me: int,
+           say: Callable[[str], None]) -> Snapshot | None:
+    """The leader: the newest snapshot of the lineage that every node's share verifies (None: none does)."""
+    started = time.monotonic()
+    lineage = read_lineage(ckpt_dir)
+    candidates = sorted((e for e in list_entries(ckpt_dir, include_abandoned=False) if e.kind == "published"),
+                        key=lambda e: e.step, reverse=True)
+    for round, entry in enumerate(candidates, start=1):
+        try:
+            manifest = read_manifest(entry.path)
+        except ManifestError as exc:
+            say(f"skipping {entry.name}: {exc}")
+            continue
+        if lineage is not None and not lineage.contains(manifest):
+            say(f"skipping {entry.name}: not in the current lineage")
+            continue
+        problems = _verify_round(job, attempt, round, entry.path, nodes, me)
+        if not problems:
+            seconds = time.monotonic() - started
+            say(f"using {entry.name}: {len(nodes)} nodes verified {manifest.total_bytes} bytes in {seconds:.2f}s")
+            return Snapshot(entry.path, entry.step, seconds)
+        say(f"skipping {entry.name}: {'; '.join(problems[:3])}")
+    return None
+
+
+def _verify_round(job: JobStore, attempt: int, round: int, path: Path, nodes: list[int], me: int) -> list[str]:
+    """Every node's share of ``path``; the problems found (none: it verifies)."""
+    job.ask_verify(attempt, round, str(path), nodes)
+    verify_share(job, attempt, round, path, me, nodes)
+    label, deadline = f"{attempt}.{round}", time.monotonic() + ANSWER_S
+    verdicts = job.verify_verdicts(label, nodes)
+    while len(verdicts) < len(nodes) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        verdicts = job.verify_verdicts(label, nodes)
+    for missing in (n for n in nodes if n not in verdicts):  # a silent node: its share is hashed here
+        verify_share(job, attempt, round, path, missing, nodes)
+        verdicts = job.verify_verdicts(label, nodes)
+    return [f"node {n}: {p}" for n, v in sorted(verdicts.items()) if not v["ok"] for p in v["problems"] or [v.get("status", "bad")]]

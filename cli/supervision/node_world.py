@@ -1,0 +1,203 @@
+"""One node of a multi-node job: the local world (this node's torchrun tree) plus the job's store.
+
+:class:`NodeWorld` is a :class:`~ckptrun.cli.supervision.world.LocalWorld` whose
+attempts join a job-wide c10d rendezvous (a fresh ``--rdzv-id <job>-a<N>`` per
+attempt, torchrun's shared worker store off) and whose every poll also
+beats this node's heartbeat into the store and reads what other nodes said:
+a failure of this attempt anywhere tears the local ranks down at once; a
+stop asked on any node becomes this node's stop. The leader also judges the
+other nodes' heartbeats: a silent node's supervisor is a failure of the
+attempt ("node lost"). A client that cannot reach the store for
+:data:`LEADER_LOST_S` raises :class:`LeaderLost`. Per-node files (logs,
+lock, holder) live under ``RUN_DIR/nodes/node-<k>/``: one writer per file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptrun.cli.supervision.job_store import JobStore, NodeWatch, StoreUnreachable
+from ckptrun.cli.supervision.node_env import NodeSettings
+from ckptrun.cli.supervision.node_verify import choose
+from ckptrun.cli.supervision.observation import Observation, Snapshot
+from ckptrun.cli.supervision.rundir import RunPaths
+from ckptrun.cli.supervision.world import LocalWorld
+
+LEADER_LOST_S = 3.0  # a client that cannot reach the leader's store this long tears down and exits (requeue)
+RANKS_NAME = "ranks.json"  # in nodes/node-k: the global ranks this node runs in its current attempt
+RUN_EVENTS = ("attempt_start", "restart", "run_completed", "run_stopped", "gave_up")  # the leader's alone
+
+
+class LeaderLost(Exception):
+    """The leader's store went away: this node tears down and exits with the requeue code."""
+
+
+@dataclass(frozen=True)
+class NodePaths(RunPaths):
+    """A run directory seen from node ``node``: shared records at the root, this node's files in ``nodes/node-k``."""
+
+    node: int = 0
+
+    @property
+    def node_dir(self) -> Path:
+        return self.root / "nodes" / f"node-{self.node}"
+
+    @property
+    def logs(self) -> Path:
+        return self.node_dir / "logs"
+
+    @property
+    def holder_file(self) -> Path:
+        return self.node_dir / "supervisor.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.node_dir / ".lock"
+
+    @property
+    def ranks_file(self) -> Path:
+        return self.node_dir / RANKS_NAME
+
+
+def rdzv_id(job_id: str, attempt: int) -> str:
+    """A fresh rendezvous per attempt: a closed rendezvous id cannot be joined again."""
+    return f"{job_id}-a{attempt}"
+
+
+class NodeWorld(LocalWorld):
+    """This node's attempts, coordinated with the other nodes through the job's store."""
+
+    def __init__(self, *args: Any, settings: NodeSettings, job: JobStore, node_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings, self.job, self.node = settings, job, settings.node_rank
+        self.nodes = list(range(settings.max_nodes))
+        self.active = list(self.nodes)  # the nodes of the current attempt (fewer after an elastic shrink)
+        self.watch = NodeWatch(node_timeout)
+        self.remote_failure: dict[str, Any] | None = None
+        self.remote_stop: dict[str, Any] | None = None
+        self.unreachable_since: float | None = None
+        self.verify_for: int | None = None  # set by the leader before it picks a restart's snapshot
+        self.placed = 0  # the attempt whose ranks were written to nodes/node-k/ranks.json
+
+    # --- launching ---
+
+    def launch(self, attempt: int, resume_from: Path | None) -> None:
+        """torchrun reads ``PET_<FLAG>`` for a flag it is not given: the attempt's rendezvous id and who hosts it."""
+        os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_RDZV_ID": rdzv_id(self.settings.job_id or "", attempt),
+                           "PET_RDZV_CONF": f"is_host={int(self.settings.leader)}"})
+        self.remote_failure = None
+        self.spec = self.spec.model_copy(update={"nnodes": str(len(self.active))})  # torchrun's: this attempt's nodes
+        super().launch(attempt, resume_from)
+        self.watch = NodeWatch(self.watch.timeout_s)
+
+    # --- observing ---
+
+    def observe(self) -> Observation:
+        obs = super().observe()
+        if obs.ranks and self.placed != self.attempt:  # which global ranks run here: for `ckptrun status`
+            self.placed = self.attempt
+            self.paths.ranks_file.write_text(json.dumps({"attempt": self.attempt, "ranks": sorted(obs.ranks),
+                                                         "host": socket.gethostname()}))
+        self.sync(obs.time)
+        if self.remote_failure is not None and obs.agent_exit is None:
+            self.say(f"attempt {self.attempt} failed on node {self.remote_failure.get('node')} "
+                     f"({self.remote_failure.get('cause')}): tearing this node's ranks down")
+            self.teardown(failed=True)
+            obs.agent_exit = self._process().exit_code()
+        obs.stop_file = obs.stop_file or self.remote_stop is not None
+        return obs
+
+    def sync(self, now: float) -> None:
+        """Beat; read this attempt's first failure and any stop; the leader also watches the other nodes."""
+        try:
+            self.job.beat(self.node, attempt=self.attempt, pid=os.getpid())
+            failure = self.job.failure(self.attempt)
+            self.remote_stop = self.remote_stop or self.job.stop_request()
+            if self.settings.leader:
+                failure = failure or self._lost_node(now)
+            self.unreachable_since = None
+        except StoreUnreachable as exc:
+            self.unreachable_since = self.unreachable_since or now
+            if now - self.unreachable_since >= LEADER_LOST_S:
+                raise LeaderLost(str(exc)) from None
+            return
+        if failure is not None and failure.get("node") != self.node:
+            self.remote_failure = failure
+
+    def _lost_node(self, now: float) -> dict[str, Any] | None:
+        others = [n for n in self.active if n != self.node]
+        self.watch.observe(self.job.heartbeats(others), now)
+        stale = self.watch.stale(others, now, since=self.launched)
+        if not stale:
+            return None
+        detail = f"node {stale[0]}'s supervisor stopped beating for {self.watch.timeout_s:g}s"
+        detect_s = now - self.watch.seen.get(stale[0], (0.0, self.launched))[1]  # since its last beat, our clock
+        first = self.job.report_failure(self.attempt, node=stale[0], ranks=[], cause="node lost", detail=detail,
+                                        detect_s=detect_s)
+        if first.get("cause") == "node lost" and first.get("node") == stale[0]:
+            super().event("failure", node=stale[0], attempt=self.attempt, cause="node lost", exception=detail,
+                          detected_at=now, detect_s=detect_s, reported_by=self.node)
+        return first
+
+    def newest_snapshot(self) -> Snapshot | None:
+        """A restart's snapshot is verified by every node, a share each (the leader names it); else here alone."""
+        attempt, self.verify_for = self.verify_for, None
+        if attempt is None or not self.settings.leader or self.spec.store_url:  # a store: its own listing
+            return super().newest_snapshot()
+        return choose(self.job, attempt, self.ckpt_dir, self.active, self.node, self.say)
+
+    def stop_file_present(self) -> bool:
+        return super().stop_file_present() or self.remote_stop is not None
+
+    # --- acting ---
+
+    def request_stop(self) -> None:
+        super().request_stop()
+        try:
+            self.job.request_stop(self.node, "stop")
+        except StoreUnreachable:
+            pass
+
+    def teardown(self, failed: bool = False) -> float:
+        """This node's tree only: the run-id sweep would also find other nodes' ranks on a shared host."""
+        process = self._process()
+        seconds = process.teardown(self.spec.grace_period, f"{self.run_id}\0node-{self.node}", failed)
+        self._link_rank_logs()
+        self._stop_rank_output()
+        return seconds
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Every event names its node; a failure is written by the node that saw it first (one per incident);
+        the run's own events are the leader's."""
+        if name == "failure":
+            first = self._post_failure(fields)
+            if first is not None and first.get("node") != self.node:
+                return
+        if name in RUN_EVENTS and not self.settings.leader:
+            return
+        super().event(name, **{"node": self.node, **fields})  # a node named in fields is the event's subject
+
+    def _post_failure(self, fields: dict[str, Any]) -> dict[str, Any] | None:
+        ranks = fields.get("stale_ranks") or ([fields["rank"]] if fields.get("rank") is not None else [])
+        try:
+            return self.job.report_failure(self.attempt, self.node, ranks, str(fields.get("cause")),
+                                           rank=fields.get("rank"), step=fields.get("step"),
+                                           detected_at=fields.get("detected_at"), detect_s=fields.get("detect_s"))
+        except StoreUnreachable:
+            return None
+
+
+def wait_for(condition: Any, timeout: float, poll: float = 0.2, what: str = "") -> Any:
+    """Poll ``condition`` until it returns something truthy or ``timeout`` passes (None then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() >= deadline:
+            return value or None
+        time.sleep(poll)

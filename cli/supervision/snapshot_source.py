@@ -1,0 +1,81 @@
+"""Which snapshot the supervisor restarts from, for a local checkpoint dir or an object store.
+
+Local: the newest snapshot of the lineage that verifies (:func:`runtime.verify.newest_verified`).
+Object store: the newest committed manifest of the line, loaded from the
+verified local copy when it is the same snapshot, else downloaded into the
+local directory with every object hashed (:mod:`ckptrun.runtime.tiering`); a
+``restore_source`` event says which and why. Either way the workers load a
+local directory. A snapshot the workers could not load is skipped on the
+store too (by its manifest digest), and a fork — a resumed attempt that
+diverged — writes the store's fork marker instead of moving directories.
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ckptrun.cli.supervision.observation import Snapshot
+from ckptrun.runtime import store
+from ckptrun.runtime.manifest import ManifestError, read_manifest
+from ckptrun.runtime.remote_store import FsspecStore
+from ckptrun.runtime.store_backend import manifest_digest
+from ckptrun.runtime.tiering import choose
+from ckptrun.runtime.transfer import describe
+from ckptrun.runtime.verify import newest_verified
+
+
+class SnapshotSource:
+    """The supervisor's choice of snapshot, and what it does to one that failed."""
+
+    def __init__(self, ckpt_dir: Path, remote: FsspecStore | None, say: Callable[[str], None],
+                 event: Callable[..., None]) -> None:
+        self.ckpt_dir, self.remote, self.say, self.event = ckpt_dir, remote, say, event
+        self.refused: set[str] = set()  # manifest digests of snapshots that did not load
+
+    def newest(self) -> Snapshot | None:
+        started = time.monotonic()
+        if self.remote is None:
+            report = newest_verified(self.ckpt_dir, log=self.say)
+            return Snapshot(report.path, report.step, time.monotonic() - started) if report else None
+        try:
+            choice = choose(self.remote, self.ckpt_dir, self.say, self.refused)
+        except Exception as exc:  # noqa: BLE001 - the store is unreachable after retries: nothing to restore from now
+            self.say(f"cannot list {self.remote.where}: {describe(exc)}")
+            return None
+        if choice is None:
+            return None
+        self.event("restore_source", **choice.event_fields())
+        return Snapshot(choice.path, choice.step, time.monotonic() - started)
+
+    def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
+        digest = _digest(snapshot)
+        if digest is not None:
+            self.refused.add(digest)
+        return store.quarantine(snapshot, status, reason)
+
+    def abandon_after(self, snapshot: Path | None) -> list[Path]:
+        moved = store.abandon_after(self.ckpt_dir, snapshot)
+        if self.remote is not None:
+            self._fork_remote(snapshot)
+        return moved
+
+    def _fork_remote(self, snapshot: Path | None) -> None:
+        """The store's line ends at the committed copy of ``snapshot`` (None: at nothing) until a newer save."""
+        digest = _digest(snapshot) if snapshot is not None else None
+        point = next((p.name for p in self.remote.published() if p.digest == digest), None) if digest else None  # type: ignore[union-attr]
+        self.remote.fork(point)  # type: ignore[union-attr]
+        self.event("store_forked", store=self.remote.where, fork_point=point)  # type: ignore[union-attr]
+
+
+def _digest(snapshot: Path) -> str | None:
+    try:
+        return manifest_digest(read_manifest(snapshot))
+    except ManifestError:
+        return None
+
+
+def describe_store(remote: FsspecStore | None) -> dict[str, Any]:
+    return {"store": remote.where} if remote is not None else {}

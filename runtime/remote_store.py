@@ -1,0 +1,245 @@
+"""Snapshots on object storage (S3, GCS, any fsspec URL): immutable prefixes, the manifest is the commit.
+
+There is no ``rename`` on an object store, so a snapshot is never moved into
+place. Each one goes to a prefix of its own, ``step-<N>-<id>/``, written once
+and never modified; ``manifest.json`` is written last (as Orbax's commit file
+and Composer's pointer). A prefix without a manifest does not exist for
+restore, ``verify``, retention or ``estimate-rto``; an upload killed halfway
+leaves exactly that, and retention removes it once it is older than a few
+save intervals. Deleting removes the manifest first, so a prefix is never seen
+half-deleted as a snapshot.
+
+Lineage lives in the manifests, not in a shared mutable object (no
+read-modify-write across writers): the current line is the chain of parents
+from the most recently created manifest (:func:`chain`). A fork (``resume
+--from`` an older snapshot, a resumed attempt that diverged) writes one new
+immutable object ``forks/<time>-<id>.json`` naming the fork point; until a
+newer manifest exists, the line ends there.
+
+Why the ranks do not stream DCP straight to the store: DCP's fsspec writer
+with ``sync_files=True`` falls back to a machine-wide ``os.sync()`` per file
+(1.12 s against 0.37 s here), and the bytes it writes are not hashed as they
+go. Writing the verified local snapshot first (fast restore from it, the same
+code as a local run) and uploading it from the background writer keeps every
+guarantee of the local path and adds one streamed, hashed copy. Importable
+without torch; fsspec is imported only when a store is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Iterator
+
+from ckptrun.runtime.ckpt_url import StoreUrl, filesystem
+from ckptrun.runtime.manifest import MANIFEST_NAME, Manifest, ManifestError
+from ckptrun.runtime.store import snapshot_name
+from ckptrun.runtime.store_backend import Published
+
+PREFIX_RE = re.compile(r"^step-(\d{9,})-([0-9a-f]{6,})$")
+FORKS_DIR = "forks"
+BLOCK = 8 << 20  # multipart part size: s3fs buffers this much per stream
+
+
+@dataclass
+class Prefix:
+    """One ``step-<N>-<id>/`` prefix as listed: its objects (relative path → size) and newest write time."""
+
+    name: str
+    step: int
+    objects: dict[str, int] = field(default_factory=dict)
+    modified: float = 0.0
+
+    @property
+    def committed(self) -> bool:
+        return MANIFEST_NAME in self.objects
+
+
+class FsspecStore:
+    """A checkpoint location on any fsspec file system; implements :class:`store_backend.SnapshotStore`."""
+
+    def __init__(self, url: StoreUrl, options: dict[str, Any] | None = None) -> None:
+        self.url, self.options = url, dict(options or {})
+        self.where = url.url
+        self.fs = filesystem(url, self.options)
+
+    def location(self, name: str, relpath: str = "") -> str:
+        """The full URL of a snapshot (or one of its files), for messages and events."""
+        return f"{self.url.url}/{name}" + (f"/{relpath}" if relpath else "")
+
+    # --- listing ---------------------------------------------------------------
+
+    def prefixes(self) -> list[Prefix]:
+        """Every ``step-<N>-<id>/`` prefix with its objects, from one recursive listing, oldest step first."""
+        found: dict[str, Prefix] = {}
+        try:
+            listing = self.fs.find(self.url.path, detail=True)
+        except FileNotFoundError:
+            return []
+        root = self.url.path.rstrip("/") + "/"
+        for path, info in listing.items():
+            relative = path[len(root):] if path.startswith(root) else path
+            head, _, rest = relative.partition("/")
+            match = PREFIX_RE.match(head)
+            if match is None or not rest:
+                continue
+            prefix = found.setdefault(head, Prefix(head, int(match.group(1))))
+            prefix.objects[rest] = int(info.get("size") or 0)
+            prefix.modified = max(prefix.modified, _mtime(info))
+        return sorted(found.values(), key=lambda p: (p.step, p.modified, p.name))
+
+    def read_manifest(self, name: str) -> Manifest:
+        """Parse one prefix's manifest or raise :class:`ManifestError`."""
+        where = self.location(name, MANIFEST_NAME)
+        try:
+            text = self.fs.cat_file(self.url.join(name, MANIFEST_NAME))
+        except FileNotFoundError:
+            raise ManifestError(f"{where}: missing") from None
+        except Exception as exc:  # noqa: BLE001 - any storage error reads as an unreadable manifest
+            raise ManifestError(f"{where}: unreadable ({type(exc).__name__}: {exc})") from None
+        try:
+            return Manifest.model_validate_json(text)
+        except ValueError as exc:
+            raise ManifestError(f"{where}: invalid ({str(exc).splitlines()[0]})") from None
+
+    def published(self, prefixes: list[Prefix] | None = None) -> list[Published]:
+        """Committed prefixes whose manifest reads, oldest step first."""
+        found = []
+        for prefix in self.prefixes() if prefixes is None else prefixes:
+            if prefix.committed:
+                try:
+                    found.append(Published(prefix.name, prefix.step, self.read_manifest(prefix.name), self.location(prefix.name)))
+                except ManifestError:
+                    continue
+        return sorted(found, key=lambda p: (p.step, p.manifest.created))
+
+    def line(self, prefixes: list[Prefix] | None = None) -> list[Published]:
+        """The current line's committed snapshots, oldest first (:func:`chain`)."""
+        return chain(self.published(prefixes), self.last_fork())
+
+    # --- writing -----------------------------------------------------------------
+
+    def open_new(self, step: int) -> str:
+        """A fresh prefix name; nothing is written until the first file."""
+        return f"{snapshot_name(step)}-{uuid.uuid4().hex[:8]}"
+
+    @contextlib.contextmanager
+    def open_write(self, handle: str, relpath: str) -> Iterator[BinaryIO]:
+        with self.fs.open(self.url.join(handle, relpath), "wb", block_size=BLOCK) as stream:
+            yield stream
+
+    def publish(self, handle: str, manifest: Manifest) -> Published:
+        """Write the manifest: the commit. The prefix is a snapshot from this write on."""
+        self.fs.pipe_file(self.url.join(handle, MANIFEST_NAME), manifest.to_json().encode())
+        return Published(handle, manifest.step, manifest, self.location(handle))
+
+    def discard(self, handle: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.url.join(handle), recursive=True)
+
+    # --- reading and deleting ------------------------------------------------------
+
+    @contextlib.contextmanager
+    def open_read(self, name: str, relpath: str) -> Iterator[BinaryIO]:
+        with self.fs.open(self.url.join(name, relpath), "rb", block_size=BLOCK, cache_type="readahead") as stream:
+            yield stream
+
+    def delete(self, name: str) -> None:
+        """Manifest first (the prefix stops being a snapshot at once), then the rest."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.url.join(name, MANIFEST_NAME))
+        self.discard(name)
+
+    def fork(self, fork_point: str | None) -> None:
+        """Start a new line at prefix ``fork_point`` (None: at nothing): snapshots created before this
+        call that descend past it leave the current line; none is deleted."""
+        now = time.time()
+        document = json.dumps({"fork_point": fork_point, "created": now}).encode()
+        self.fs.pipe_file(self.url.join(FORKS_DIR, f"{now:017.6f}-{uuid.uuid4().hex[:8]}.json"), document)
+
+    def last_fork(self) -> tuple[str | None, float] | None:
+        """The newest fork marker: (fork point, created), None when the line never forked."""
+        try:
+            names = sorted(self.fs.ls(self.url.join(FORKS_DIR), detail=False))
+        except FileNotFoundError:
+            return None
+        if not names:
+            return None
+        document = json.loads(self.fs.cat_file(names[-1]))
+        return document.get("fork_point"), float(document["created"])
+
+    def garbage(self, min_age_s: float, now: float | None = None, prefixes: list[Prefix] | None = None) -> list[str]:
+        """Manifest-less prefixes untouched for ``min_age_s``: interrupted uploads. Deletes them; returns their names."""
+        now = time.time() if now is None else now
+        doomed = [p.name for p in (self.prefixes() if prefixes is None else prefixes)
+                  if not p.committed and now - p.modified >= min_age_s]
+        for name in doomed:
+            self.discard(name)
+        return doomed
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    """Last-modified time of a listed object as unix seconds (s3: LastModified, gcs: updated, local: mtime)."""
+    value = info.get("LastModified") or info.get("mtime") or info.get("updated") or info.get("created") or 0
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    if isinstance(value, str):
+        from datetime import datetime
+
+        with contextlib.suppress(ValueError):
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        return 0.0
+    return float(value)
+
+
+# --- lineage -----------------------------------------------------------------------
+
+
+def chain(snapshots: list[Published], fork: tuple[str | None, float] | None = None) -> list[Published]:
+    """The current line, oldest first: parent links followed back from the most recently created manifest
+    (or from the fork point of a ``fork`` marker newer than every manifest).
+
+    A manifest's parent is a snapshot name (``step-N``); several prefixes may hold
+    step N (a re-save after a restart, another line), so the parent is the newest
+    one of that step created before its child. Snapshots of abandoned lines are
+    left out, so retention never deletes them and restore never picks them.
+    """
+    if not snapshots:
+        return []
+    by_step: dict[int, list[Published]] = {}
+    for item in snapshots:
+        by_step.setdefault(item.step, []).append(item)
+    current = max(snapshots, key=lambda p: (p.manifest.created, p.step))
+    if fork is not None and fork[1] > current.manifest.created:
+        forked = next((p for p in snapshots if p.name == fork[0]), None)
+        if forked is None:
+            return []
+        current = forked
+    found, seen = [current], {current.name}
+    while current.manifest.parent:
+        match = PREFIX_RE.match(current.manifest.parent) or re.match(r"^step-(\d{9,})$", current.manifest.parent)
+        if match is None:
+            break
+        older = [p for p in by_step.get(int(match.group(1)), []) if p.manifest.created <= current.manifest.created and p.name not in seen]
+        if not older:
+            break
+        current = max(older, key=lambda p: p.manifest.created)
+        found.append(current)
+        seen.add(current.name)
+    return found[::-1]
+
+
+def open_store(url: str, options_json: str | None = None) -> FsspecStore:
+    """The store a worker's environment names (``RunEnv.ckpt_url``, ``RunEnv.storage_options``)."""
+    import json
+
+    from ckptrun.runtime.ckpt_url import parse
+
+    location = parse(url)
+    if not isinstance(location, StoreUrl):
+        raise ValueError(f"{url!r} is not an object-store URL")
+    return FsspecStore(location, json.loads(options_json) if options_json else None)

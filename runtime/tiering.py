@@ -1,0 +1,135 @@
+"""Which copy a restart restores from: the verified local copy when it is the newest remote snapshot, else the store.
+
+A tiered run (``--ckpt-dir s3://… --local-cache DIR``) publishes every save
+locally first and uploads it in the background, so after a crash the node
+usually holds the newest snapshot already. The remote manifests are the
+truth: the newest committed prefix of the current line (:func:`remote_store.chain`)
+is the candidate; the local copy is used when its manifest is the same
+(:func:`store_backend.manifest_digest`) and every byte of it verifies.
+Otherwise — no local copy (a lost node, a staging-only run), a local copy
+that does not verify — the prefix is downloaded into the local directory,
+every object hashed against its manifest as it streams; a mismatch refuses
+that snapshot and the previous one is tried. Either way the workers then load
+a local directory, as in a local run. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ckptrun.runtime.remote_store import FsspecStore, Prefix
+from ckptrun.runtime.store_backend import LocalStore, Published
+from ckptrun.runtime.transfer import MismatchError, Retry, copy_snapshot, describe
+from ckptrun.runtime.verify import verify_snapshot
+
+LOCAL, REMOTE = "local-cache", "remote"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The snapshot to load (a local directory), where it came from and why."""
+
+    path: Path
+    step: int
+    source: str  # LOCAL or REMOTE
+    reason: str
+    remote: str  # URL of the remote prefix it matches
+    digest: str  # manifest digest: names the snapshot whichever copy is loaded
+    seconds: float  # choosing, verifying and (for REMOTE) downloading
+    bytes: int
+
+    def event_fields(self) -> dict[str, object]:
+        return {"source": self.source, "reason": self.reason, "snapshot": str(self.path), "remote": self.remote,
+                "step": self.step, "seconds": self.seconds, "bytes": self.bytes}
+
+
+def size_problems(snapshot: Published, prefix: Prefix | None) -> list[str]:
+    """Objects that are missing or whose size differs from the manifest: found from the listing alone."""
+    objects = prefix.objects if prefix is not None else {}
+    problems = []
+    for entry in snapshot.manifest.files:
+        size = objects.get(entry.path)
+        if size is None:
+            problems.append(f"{entry.path}: missing")
+        elif size != entry.size:
+            problems.append(f"{entry.path}: size {size} bytes, manifest says {entry.size}")
+    return problems
+
+
+def remote_candidates(remote: FsspecStore, skip: frozenset[str] | set[str] = frozenset()) -> tuple[list[Published], dict[str, Prefix]]:
+    """The current line's committed snapshots, newest first (``skip``: manifest digests known not to load),
+    and the listing they came from."""
+    prefixes = remote.prefixes()
+    line = remote.line(prefixes)
+    return [p for p in reversed(line) if p.digest not in skip], {p.name: p for p in prefixes}
+
+
+def choose(remote: FsspecStore, cache: Path, log: Callable[[str], None] = lambda _: None,
+           skip: frozenset[str] | set[str] = frozenset(), retry: Retry = Retry(), threads: int = 8) -> Choice | None:
+    """The newest snapshot of the current line that verifies, as a local directory, saying why newer ones were skipped."""
+    local = LocalStore(cache)
+    candidates, listing = retry.run(lambda: remote_candidates(remote, skip), f"listing {remote.where}", log)
+    for snapshot in candidates:
+        started = time.monotonic()
+        where = remote.location(snapshot.name)
+        problems = size_problems(snapshot, listing.get(snapshot.name))
+        if problems:
+            log(f"skipping {where}: objects changed after its manifest ({'; '.join(problems[:3])})")
+            continue
+        copy, why = _local_copy(local, snapshot, log)
+        if copy is not None:
+            return Choice(copy, snapshot.step, LOCAL, why, where, snapshot.digest, time.monotonic() - started,
+                          snapshot.manifest.total_bytes)
+        try:
+            fetched = copy_snapshot(remote, snapshot, local, retry, threads, log)
+        except MismatchError as exc:
+            log(f"skipping {where}: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - the store failed after retries: try an older snapshot
+            log(f"skipping {where}: download failed ({describe(exc)})")
+            continue
+        seconds = time.monotonic() - started
+        log(f"using {where}: {why}; downloaded and verified {snapshot.manifest.total_bytes} bytes in {seconds:.2f}s")
+        return Choice(Path(fetched.where), snapshot.step, REMOTE, why, where, snapshot.digest, seconds,
+                      snapshot.manifest.total_bytes)
+    return None
+
+
+def _local_copy(local: LocalStore, snapshot: Published, log: Callable[[str], None]) -> tuple[Path | None, str]:
+    """The local copy of ``snapshot`` when it verifies (path, why); else (None, why the store is used)."""
+    copy = local.find(snapshot.digest)
+    if copy is None:
+        return None, f"no local copy of step {snapshot.step} in {local.where}"
+    report = verify_snapshot(Path(copy.where))
+    if not report.ok:
+        return None, f"the local copy {copy.where} does not verify ({'; '.join(report.problems[:2])})"
+    log(f"using local copy {copy.where}: verified {report.bytes} bytes, matches {snapshot.name}")
+    return Path(copy.where), f"the local copy verifies and matches the remote manifest {snapshot.name}"
+
+
+def choose_for_worker(remote: FsspecStore, cache: Path, run_dir: Path, skip_names: set[str],
+                      log: Callable[[str], None]) -> Path | None:
+    """Rank 0 under plain torchrun: the snapshot to load, recording where it came from (``restore_source``)."""
+    from ckptrun.runtime import records
+    from ckptrun.runtime.manifest import ManifestError, read_manifest
+    from ckptrun.runtime.store_backend import manifest_digest
+
+    skip = set()
+    for name in skip_names:
+        try:
+            skip.add(manifest_digest(read_manifest(cache / name)))
+        except ManifestError:
+            continue
+    try:
+        choice = choose(remote, cache, log, skip)
+    except Exception as exc:  # noqa: BLE001 - the store cannot be listed: which snapshot is newest is unknown
+        print(f"error: cannot list the snapshots in {remote.where}: {describe(exc)}", file=sys.stderr, flush=True)
+        print("hint: check the endpoint and credentials (environment, ~/.aws, --storage-option)", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    if choice is not None:
+        records.log_event(run_dir, "restore_source", **choice.event_fields())
+    return choice.path if choice else None

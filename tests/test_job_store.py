@@ -1,0 +1,144 @@
+"""The job's store across nodes: a real TCPStore on 127.0.0.1, a leader and two clients in one process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Iterator
+
+import pytest
+
+from ckptrun.cli.supervision.job_store import JobStore, NodeWatch, StoreUnreachable
+
+
+@pytest.fixture(scope="module")
+def stores() -> Iterator[tuple[JobStore, JobStore, JobStore]]:
+    leader = JobStore.host("run-x", "127.0.0.1", 0)
+    one = JobStore.connect("run-x", "127.0.0.1", leader.port, timeout_s=5)
+    two = JobStore.connect("run-x", "127.0.0.1", leader.port, timeout_s=5)
+    yield leader, one, two
+
+
+def test_keys_live_under_the_run(stores: tuple[JobStore, JobStore, JobStore]) -> None:
+    leader, one, _ = stores
+    assert one.key("a3", "failure") == "ckptrun/run-x/a3/failure"
+    assert leader.is_leader and not one.is_leader
+
+
+def test_heartbeats_and_joins(stores: tuple[JobStore, JobStore, JobStore]) -> None:
+    leader, one, two = stores
+    assert leader.join(0) == 1 and one.join(1, host="h1") == 1
+    assert one.join(1, host="h1") == 2  # a relaunched launcher of node 1: a new incarnation
+    assert leader.node(1)["incarnation"] == 2 and leader.node(1)["host"] == "h1"
+    one.beat(1, attempt=1, state="healthy")
+    two.beat(2, attempt=1, state="starting")
+    beats = leader.heartbeats([0, 1, 2])
+    assert sorted(beats) == [1, 2] and beats[1]["state"] == "healthy"
+
+
+def test_the_first_failure_of_an_attempt_wins(stores: tuple[JobStore, JobStore, JobStore]) -> None:
+    leader, one, two = stores
+    assert leader.failure(1) is None
+    first = one.report_failure(1, node=1, ranks=[1], cause="crash", exit_code=-9)
+    second = two.report_failure(1, node=2, ranks=[2], cause="crash")
+    assert first["node"] == 1 and second == first and leader.failure(1) == first
+    assert two.report_failure(2, node=2, ranks=[2], cause="hang")["node"] == 2  # each attempt has its own
+
+
+def test_teardown_acks_snapshot_attempt_and_verify(stores: tuple[JobStore, JobStore, JobStore]) -> None:
+    leader, one, two = stores
+    one.ack_teardown(1, 1)
+    assert sorted(leader.teardown_acks(1, [0, 1, 2])) == [1]
+    two.ack_teardown(1, 2, seconds=0.4)
+    assert sorted(leader.teardown_acks(1, [0, 1, 2])) == [1, 2]
+    snapshot = {"step": 10, "digest": "abc", "path": "/ckpt/step-000000010"}
+    leader.start_attempt(2, snapshot, nodes=[0, 1, 2])
+    assert one.attempt() == {**one.attempt(), "attempt": 2, "snapshot": snapshot, "nodes": [0, 1, 2]}
+    one.post_verify(2, 1, True, files=3, seconds=0.1, problems=[])
+    two.post_verify(2, 2, False, files=3, seconds=0.1, problems=["model.safetensors: digest mismatch"])
+    verdicts = leader.verify_verdicts(2, [0, 1, 2])
+    assert verdicts[1]["ok"] and not verdicts[2]["ok"] and 0 not in verdicts
+
+
+def test_stop_requests_verdict_and_token(stores: tuple[JobStore, JobStore, JobStore]) -> None:
+    leader, one, two = stores
+    assert leader.stop_request() is None and one.verdict() is None
+    assert two.request_stop(2, "signal SIGTERM")["node"] == 2
+    assert one.request_stop(1, "stop requested")["node"] == 2  # the first request stands
+    leader.set_verdict("stopped", 3, "stopped; newest verified snapshot: step 10", snapshot_step=10)
+    assert (one.verdict()["action"], one.verdict()["code"]) == ("stopped", 3)
+    leader.set_token("tok-1")
+    assert two.token() == "tok-1"
+
+
+def test_node_watch_judges_staleness_by_its_own_clock() -> None:
+    watch = NodeWatch(timeout_s=5)
+    watch.observe({1: {"time": 1000.0}, 2: {"time": 5.0}}, now=100.0)  # node clocks disagree: irrelevant
+    watch.observe({1: {"time": 1001.0}, 2: {"time": 5.0}}, now=104.0)  # node 1 beat again, node 2 did not
+    assert watch.stale([1, 2, 3], now=104.5, since=100.0) == []
+    assert watch.stale([1, 2, 3], now=105.5, since=101.0) == [2]  # 5.5 s without a change; node 3 counts from 101
+    assert watch.stale([1, 2, 3], now=106.5, since=101.0) == [2, 3]
+    assert watch.stale([1], now=109.5, since=100.0) == [1]
+    watch.forget(1)
+    assert watch.stale([1], now=109.5, since=109.0) == []  # a relaunched node counts from its join
+
+
+def test_a_lost_leader_makes_every_call_fail() -> None:
+    leader = JobStore.host("run-y", "127.0.0.1", 0)
+    client = JobStore.connect("run-y", "127.0.0.1", leader.port, timeout_s=2)
+    client.beat(1)
+    port = leader.port
+    del leader
+    import gc
+
+    gc.collect()
+    with pytest.raises(StoreUnreachable):
+        for _ in range(3):  # a set may still sit in the socket's buffer; a read cannot
+            client.heartbeats([1])
+    with pytest.raises(StoreUnreachable):
+        JobStore.connect("run-y", "127.0.0.1", port, timeout_s=1)
+
+
+def test_the_store_module_does_not_import_torch_until_a_store_is_made() -> None:
+    code = "import sys, ckptrun.cli.supervision.job_store; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_each_node_verifies_a_disjoint_share_and_a_bad_share_skips_the_snapshot_for_all(tmp_path) -> None:
+    """The leader names a candidate; a follower thread answers for node 1; the newest snapshot has a flipped
+    byte in node 1's share only, so node 1's verdict makes everyone fall back to the older one."""
+    import threading
+
+    from snapshot_factory import flip_byte, make_snapshot
+
+    from ckptrun.cli.supervision.node_verify import answer, choose
+    from ckptrun.runtime.manifest import read_manifest
+
+    ckpt = tmp_path / "ckpt"
+    make_snapshot(ckpt, 5)
+    newest = make_snapshot(ckpt, 10)
+    files = [e.path for e in read_manifest(newest).files]
+    flip_byte(newest / files[1])  # file 1 of 3: node 1's share of two nodes (files 1), node 0 has files 0 and 2
+    leader = JobStore.host("run-v", "127.0.0.1", 0)
+    follower = JobStore.connect("run-v", "127.0.0.1", leader.port, timeout_s=5)
+    done: set[int] = set()
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.is_set():
+            answer(follower, 3, 1, done)
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    said: list[str] = []
+    try:
+        chosen = choose(leader, 3, ckpt, [0, 1], 0, said.append)
+    finally:
+        stop.set()
+        thread.join()
+    assert chosen is not None and chosen.step == 5, said
+    assert done == {1, 2}  # the follower verified its share of both candidates
+    first = leader.verify_verdicts("3.1", [0, 1])
+    assert first[0]["ok"] and first[0]["files"] == 2 and not first[1]["ok"] and first[1]["files"] == 1
+    assert any("skipping step-000000010" in line and "node 1" in line for line in said), said

@@ -1,0 +1,306 @@
+"""Snapshots on object storage, against a real S3 server (moto) on 127.0.0.1: same guarantees as a local dir.
+
+Single-process runs of the default template (the upload's rank split is covered
+by the 2-rank e2e test at the end). Each run uses a fresh bucket; the server
+is shared by the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptrun.runtime import ckpt_url
+from ckptrun.runtime.policies import Retention
+from ckptrun.runtime.records import final_losses, read_events, same_float
+from ckptrun.runtime.remote_store import FsspecStore, chain, open_store
+from ckptrun.runtime.retention import apply_remote_retention
+from ckptrun.runtime.tiering import LOCAL, REMOTE, choose
+from ckptrun.runtime.verify import verify_remote_dir
+from s3_server import S3Server, free_port, start_server
+from workers import run_job, shared_tensors
+
+FAST = ("--num-workers", "0", "--hidden", "128")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory) -> S3Server:
+    server = start_server(tmp_path_factory.mktemp("moto") / "moto.log")
+    saved = {key: os.environ.get(key) for key in server.env}
+    server.apply()
+    yield server
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def job(run_dir: Path, url: str, steps: int = 12, **fields):
+    fields.setdefault("save_every_steps", 5)
+    fields.setdefault("ckpt_dir", run_dir / "staging")
+    return run_job(run_dir, args=("--steps", str(steps), *FAST), ckpt_url=url, **fields)
+
+
+def committed(url: str) -> list[int]:
+    store = open_store(url)
+    return [p.step for p in store.published()]
+
+
+def assert_same_losses(run_dir: Path, reference: tuple[Path, str]) -> None:
+    got, want = final_losses(run_dir), final_losses(reference[0])
+    assert sorted(got) == sorted(want)
+    assert all(same_float(got[s], want[s]) for s in want), "losses differ from the uninterrupted run"
+
+
+def assert_same_tensors(url: str, expected_url: str, scratch: Path) -> None:
+    """The newest committed snapshots of two locations hold the same tensors, bitwise."""
+    fetched, expected = choose(open_store(url), scratch / "got"), choose(open_store(expected_url), scratch / "want")
+    assert fetched is not None and expected is not None and fetched.step == expected.step
+    got, want = shared_tensors(fetched.path), shared_tensors(expected.path)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), "tensors differ from the uninterrupted run"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, s3) -> tuple[Path, str]:
+    """The uninterrupted 12-step run on S3, keeping 2: the losses and tensors every resume must match,
+    and the committed snapshots (10, 12) the corruption tests damage copies of."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    url = f"s3://{s3.new_bucket()}/ckpt"
+    result = job(run_dir, url, keep_last=2)
+    assert result.returncode == 0, result.stderr
+    return run_dir, url
+
+
+@pytest.fixture(scope="module")
+def killed_tiered(tmp_path_factory, s3) -> tuple[Path, str]:
+    """A tiered run (local cache + S3) killed at step 7: step 5 is in the cache and committed on S3."""
+    run_dir = tmp_path_factory.mktemp("tiered") / "run"
+    url = f"s3://{s3.new_bucket()}/ckpt"
+    assert job(run_dir, url, ckpt_dir=run_dir / "cache", local_cache=True, fault="kill:rank=0:step=7").returncode == -9
+    assert (run_dir / "cache" / "step-000000005").is_dir() and committed(url) == [5]
+    return run_dir, url
+
+
+def copy_bucket(source: str, s3: S3Server) -> str:
+    """A private copy of a finished run's objects, for a test that damages them."""
+    target = f"s3://{s3.new_bucket()}/ckpt"
+    fs = open_store(source).fs
+    for path in fs.find(source.removeprefix("s3://")):
+        fs.copy(path, target.removeprefix("s3://") + path[len(source.removeprefix("s3://")):])
+    return target
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptrun.cli.main", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+
+
+# --- URLs -------------------------------------------------------------------------
+
+
+def test_urls_are_parsed_or_refused_never_a_local_dir_named_s3():
+    assert ckpt_url.parse("s3://bucket/a/b/") == ckpt_url.StoreUrl("s3", "bucket/a/b")
+    assert ckpt_url.parse("file:///tmp/x") == Path("/tmp/x") and ckpt_url.parse("rel/dir") == Path("rel/dir")
+    with pytest.raises(ckpt_url.UrlError, match="slash missing"):
+        ckpt_url.parse("s3:/bucket/x")  # what pathlib makes of s3://bucket/x
+    with pytest.raises(ckpt_url.UrlError, match="gcsfs") as refused:
+        ckpt_url.parse("gs://bucket/x")
+    assert "pip install gcsfs" in refused.value.hint
+    with pytest.raises(ckpt_url.UrlError, match="not a storage protocol"):
+        ckpt_url.parse("nosuch://bucket/x")
+    assert ckpt_url.parse_storage_options(["endpoint_url=http://h:1", "client_kwargs.region_name=eu", "anon=false"]) == {
+        "endpoint_url": "http://h:1", "client_kwargs": {"region_name": "eu"}, "anon": False}
+
+
+# --- save, kill, resume --------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_kill_and_resume_from_s3_is_bitwise_exact(tmp_path, s3, reference):
+    url, run_dir = f"s3://{s3.new_bucket()}/ckpt", tmp_path / "run"
+    assert job(run_dir, url, fault="kill:rank=0:step=7").returncode == -9
+    assert committed(url) == [5]
+    assert not list((run_dir / "staging").glob("step-*")), "staging is emptied once the store holds the snapshot"
+    resumed = job(run_dir, url, attempt=2)
+    assert resumed.returncode == 0, resumed.stderr
+    source = read_events(run_dir, "restore_source")[-1]
+    assert source["source"] == REMOTE and source["step"] == 5
+    assert [e["step"] for e in read_events(run_dir, "restored")] == [5]
+    assert committed(url) == [5, 10, 12]
+    assert_same_losses(run_dir, reference)
+    assert_same_tensors(url, reference[1], tmp_path / "fetched")
+
+
+@pytest.mark.timeout(120)
+def test_kill_during_upload_leaves_no_manifest_and_restore_uses_the_previous(tmp_path, s3):
+    url, run_dir = f"s3://{s3.new_bucket()}/ckpt", tmp_path / "run"
+    assert job(run_dir, url, fault="kill-during-save:phase=before-commit:step=10").returncode == -9
+    store = open_store(url)
+    prefixes = {p.step: p for p in store.prefixes()}
+    assert prefixes[5].committed and not prefixes[10].committed, "every object of step 10 is up, its manifest is not"
+    assert set(prefixes[10].objects) >= {"state.json", "dcp/__0_0.distcp"}
+    statuses = {r.step: r.status for r in verify_remote_dir(store)}
+    assert statuses == {5: "ok", 10: "in-progress"}
+    picked = choose(store, tmp_path / "cache")
+    assert picked is not None and picked.step == 5
+
+
+# --- corruption ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["flipped-byte", "truncated"])
+def test_a_changed_object_is_caught_by_verify_and_skipped_by_restore(tmp_path, s3, reference, damage):
+    store = open_store(copy_bucket(reference[1], s3))
+    newest = chain(store.published())[-1]
+    path = store.url.join(newest.name, "dcp/__0_0.distcp")
+    data = bytearray(store.fs.cat_file(path))
+    if damage == "flipped-byte":
+        data[len(data) // 2] ^= 0x01
+    store.fs.pipe_file(path, bytes(data if damage == "flipped-byte" else data[:100]))
+    result = cli("verify", store.where, "--json")
+    assert result.returncode == 1, result.stderr
+    report = {s["step"]: s for s in json.loads(result.stdout)["snapshots"]}
+    assert report[12]["status"] == "corrupt" and "dcp/__0_0.distcp" in " ".join(report[12]["problems"])
+    assert report[10]["status"] == "ok"
+    said: list[str] = []
+    picked = choose(store, tmp_path / "cache", log=said.append)
+    assert picked is not None and picked.step == 10 and picked.source == REMOTE
+    assert any("skipping" in line and newest.name in line for line in said)
+    assert store.fs.exists(path), "a corrupt snapshot is reported, never deleted"
+
+
+def test_verify_exit_codes_match_a_local_dir_and_unusable_urls_are_refused(s3, reference, tmp_path):
+    assert cli("verify", reference[1]).returncode == 0
+    assert cli("verify", f"s3://{s3.new_bucket()}/nothing").returncode == 2
+    for command in (("verify", "gs://bucket/ckpt"), ("launch", "--ckpt-dir", "gs://bucket/ckpt"),
+                    ("launch", "--ckpt-dir", "s3:/bucket/ckpt"), ("estimate-rto", "gs://bucket/ckpt")):
+        refused = cli(*command, cwd=tmp_path)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, (command, refused.stderr)
+        assert "gcsfs" in refused.stderr or "slash missing" in refused.stderr
+    assert not list(tmp_path.iterdir()), "nothing is created, least of all a directory named gs: or s3:"
+
+
+# --- retention --------------------------------------------------------------------------
+
+
+def test_retention_on_s3_keeps_k_and_never_deletes_before_a_newer_verified_manifest(tmp_path, s3, reference):
+    run_dir, url = reference
+    assert committed(url) == [10, 12], "--keep-last 2"
+    assert [e["step"] for e in read_events(run_dir, "snapshot_deleted")] == [5]
+    # The newest snapshot does not check out: nothing is deleted.
+    store = open_store(copy_bucket(url, s3))
+    store.fs.rm_file(store.url.join(chain(store.published())[-1].name, "state.json"))
+    (tmp_path / "events").mkdir()
+    assert apply_remote_retention(store, Retention(keep_last=1), tmp_path / "events") == []
+    assert [p.step for p in store.published()] == [10, 12]
+    assert read_events(tmp_path / "events", "retention_skipped")
+    # An interrupted upload (a prefix without a manifest) is garbage once old enough, and only then.
+    store.fs.pipe_file(store.url.join("step-000000015-deadbeef", "state.json"), b"{}")
+    apply_remote_retention(store, Retention(keep_last=5), tmp_path / "events")
+    assert any(p.name == "step-000000015-deadbeef" for p in store.prefixes())
+    apply_remote_retention(store, Retention(keep_last=5), tmp_path / "events", now=4e9)
+    assert not any(p.name == "step-000000015-deadbeef" for p in store.prefixes())
+    assert read_events(tmp_path / "events", "garbage_deleted")
+
+
+def test_a_fork_marker_ends_the_line_at_its_fork_point_and_deletes_nothing(s3, reference):
+    store = open_store(copy_bucket(reference[1], s3))
+    older, newer = store.line()
+    store.fork(older.name)
+    assert [p.name for p in store.line()] == [older.name]
+    assert {r.step: r.abandoned for r in verify_remote_dir(store, quick=True)} == {10: False, 12: True}
+    store.fork(None)
+    assert store.line() == [] and len(store.published()) == 2
+
+
+# --- tiering ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cache_lost", [False, True], ids=["local-copy", "local-copy-lost"])
+def test_tiered_restart_uses_the_local_copy_else_s3_both_exact(tmp_path, s3, reference, killed_tiered, cache_lost):
+    run_dir, url = tmp_path / "run", copy_bucket(killed_tiered[1], s3)
+    shutil.copytree(killed_tiered[0], run_dir)
+    if cache_lost:
+        shutil.rmtree(run_dir / "cache")
+    resumed = job(run_dir, url, ckpt_dir=run_dir / "cache", local_cache=True, attempt=2)
+    assert resumed.returncode == 0, resumed.stderr
+    source = read_events(run_dir, "restore_source")[-1]
+    assert source["source"] == (REMOTE if cache_lost else LOCAL) and source["step"] == 5, source
+    assert_same_losses(run_dir, reference)
+    assert committed(url) == [5, 10, 12]
+
+
+# --- failures ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_an_unreachable_store_fails_the_save_and_training_goes_on(tmp_path, s3):
+    dead = json.dumps({"endpoint_url": f"http://127.0.0.1:{free_port()}", "retries": 1, "config_kwargs": {"retries": {"max_attempts": 1}}})
+    run_dir = tmp_path / "run"
+    result = job(run_dir, f"s3://{s3.new_bucket()}/ckpt", steps=6, storage_options=dead, max_failed_saves=10,
+                 supervised=True)  # supervised: the supervisor (not this worker) lists the store before a restore
+    assert result.returncode == 0, result.stderr
+    failed = read_events(run_dir, "save_failed")
+    assert [e["step"] for e in failed] == [5, 6] and all("upload" in e["error"] for e in failed)
+    assert not read_events(run_dir, "snapshot_saved")
+    assert not list((run_dir / "staging").glob("step-*")), "a local copy the store does not hold is not kept"
+
+
+# --- the commands, end to end ----------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_launch_on_s3_recovers_from_the_store_and_every_command_takes_the_url(tmp_path, s3):
+    """2 ranks under `ckptrun launch --ckpt-dir s3://…`: each rank uploads its own files, a crash restarts from
+    the store, and verify / status / estimate-rto / export / resume work on the URL or the run."""
+    from launch_helpers import Cleanup, assert_no_processes, ckptrun
+
+    cleanup, url = Cleanup(), f"s3://{s3.new_bucket()}/ckpt"
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "s3")
+    try:
+        result = ckptrun("launch", "--nproc-per-node", "2", "--save-every-steps", "5", "--heartbeat-timeout", "5",
+                         "--startup-timeout", "60", "--restart-backoff", "0.1", "--name", "s3", "--ckpt-dir", url,
+                         "--storage-option", "max_concurrency=4", "--inject-fault", "kill:rank=1:step=7",
+                         "--", "--steps", "12", *FAST, cwd=tmp_path, timeout=280)
+        assert result.returncode == 0, result.stderr[-3000:]
+        source = read_events(run_dir, "restore_source")[-1]
+        assert source["source"] == REMOTE and source["step"] == 5, source
+        assert committed(url) == [5, 10, 12]
+        newest = chain(open_store(url).published())[-1]
+        assert {f.rank for f in newest.manifest.files} == {0, 1}, "each rank uploads what it wrote"
+        assert "max_concurrency" in (run_dir / "run.json").read_text()
+        assert cli("verify", url).returncode == 0
+        status = subprocess.run([sys.executable, "-m", "ckptrun.cli.main", "status", str(run_dir), "--json"],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["snapshot"]["path"].startswith(url + "/step-000000012-")
+        estimate = cli("estimate-rto", url, "--json")
+        assert estimate.returncode == 0, estimate.stderr
+        assert json.loads(estimate.stdout)["components"]["verify"]["source_of_restore"] == REMOTE
+        for source in (url, str(run_dir)):  # the store's newest, downloaded; the run's, from its staging dir
+            exported = cli("export", source, "-o", str(tmp_path / "model.pt"))
+            assert exported.returncode == 0 and (tmp_path / "model.pt").stat().st_size > 0, exported.stderr
+        from ckptrun.cli.supervision.runner import _newest
+        from ckptrun.cli.supervision.spec import build_spec
+
+        picked = _newest(tmp_path / "fresh-node", build_spec({"ckpt_dir": url}))  # what `resume --latest` starts from
+        assert picked.step == 12 and picked.path.parent == tmp_path / "fresh-node"
+        again = ckptrun("resume", "--latest", "--run-dir", str(run_dir), cwd=tmp_path, timeout=120)
+        assert again.returncode == 0 and "already completed" in again.stdout + again.stderr
+        refused = ckptrun("launch", "--name", "s3b", "--ckpt-dir", url, cwd=tmp_path, timeout=60)
+        assert refused.returncode == 2 and "already holds snapshots" in refused.stderr
+        assert_no_processes(run_dir, within=5)
+    finally:
+        cleanup.close()
