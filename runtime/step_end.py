@@ -130,7 +130,8 @@ class StepEnd:
         elif self.memory.due(self.step) and self.saved_step != self.step:  # due for both: the durable save only
             self._memory_save()
         if self.faults.step_fault_due(self.step):
-            self._write_pending_line()
+            self._write_pending_line()  # rank 0's line; the faulty rank's own step goes in its heartbeat
+            self.heart.beat(self.step, "train", force=True)
             self._settle_saves(wait=True)
             self.faults.after_step(self.step)
 

@@ -79,9 +79,12 @@ def test_cuda_worker_joins_one_group_with_two_backends_bound_to_local_rank(calls
     assert (args, kwargs) == (("cpu:gloo,cuda:nccl",), {"device_id": torch.device("cuda", 3)})
 
 
-def test_control_plane_collectives_use_cpu_tensors_and_the_snapshot_group_is_gloo(calls: list) -> None:
+def test_control_plane_collectives_use_cpu_tensors_and_the_snapshot_group_is_gloo(calls: list,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     collectives.start(collectives.worker_device(cuda=True), set_device=lambda device: None)
-    assert collectives.all_reduce_sum([1.0, 2.0]) == [1.0, 2.0]  # the per-step decisions
+    with monkeypatch.context() as two_ranks:  # a world of one sums nothing: claim two so the sum goes over the wire
+        two_ranks.setattr(collectives.dist, "get_world_size", lambda group=None: 2)
+        assert collectives.all_reduce_sum([1.0, 2.0]) == [1.0, 2.0]  # the per-step decisions
     assert collectives.broadcast_object({"snapshot": "step-5"}) == {"snapshot": "step-5"}
     assert collectives.all_gather_object("ok") == ["ok"]
     group = collectives.new_group()  # the background saver's own group
@@ -92,7 +95,9 @@ def test_control_plane_collectives_use_cpu_tensors_and_the_snapshot_group_is_glo
     scaler = Policy(resolve("fp16", "cpu")).make_scaler()
     scaler.scale(model(torch.ones(2, 4)).sum()).backward()
     model.weight.grad[0, 0] = float("inf")
-    assert stepper.optimizer_step(model, optimizer, scaler, max_norm=None).skipped
+    with monkeypatch.context() as two_ranks:
+        two_ranks.setattr(collectives.dist, "get_world_size", lambda group=None: 2)
+        assert stepper.optimizer_step(model, optimizer, scaler, max_norm=None).skipped
 
     collective = [(name, args, kwargs) for name, args, kwargs in calls if name in ("all_reduce", "broadcast", "all_gather")]
     assert {name for name, *_ in collective} == {"all_reduce", "broadcast", "all_gather"}

@@ -53,4 +53,4 @@ def test_decorated_command_exits_with_its_code() -> None:
 
 def test_exit_code_table_lists_every_code() -> None:
     table = errors.exit_codes_help().splitlines()
-    assert [int(line.split()[0]) for line in table] == [0, 1, 2, 3, 4, 101]
+    assert [int(line.split()[0]) for line in table] == [0, 1, 2, 3, 4, 5, 101]

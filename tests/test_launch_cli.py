@@ -24,8 +24,9 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("flags, message", [
-    ({"nnodes": "2"}, "--nnodes 2: more than one node is not supported yet"),
-    ({"nnodes": "1:4"}, "--nnodes 1:4: more than one node"),
+    ({"nnodes": "0"}, "--nnodes 0: must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX"),
+    ({"nnodes": "3:1"}, "--nnodes 3:1: must be N >= 1 or MIN:MAX"),
+    ({"nnodes": "x"}, "--nnodes x: must be N or MIN:MAX"),
     ({"heartbeat_timeout": "0"}, "--heartbeat-timeout 0: Input should be greater than 0"),
     ({"time_limit": "2x"}, "--time-limit 2x: '2x' is not a duration"),
     ({"nproc_per_node": "two"}, "--nproc-per-node two: must be a number of ranks"),
@@ -92,7 +93,8 @@ def test_stale_lock_of_a_dead_supervisor_is_taken_over(tmp_path: Path) -> None:
 
 def test_launch_refusals_exit_2_before_anything_runs(tmp_path: Path) -> None:
     result = cli("launch", "--nnodes", "2", cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr.startswith("error: --nnodes 2: more than one node"), result.stderr
+    assert result.returncode == 2 and result.stderr.startswith("error: --nnodes 2 needs the rendezvous endpoint"), result.stderr
+    assert not (tmp_path / "runs").exists(), "a refused launch creates nothing"
     result = cli("launch", "missing.py", cwd=tmp_path)
     assert result.returncode == 2 and "training script missing.py does not exist" in result.stderr
     make_snapshot(tmp_path / "used" / "checkpoints", 1)
