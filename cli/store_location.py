@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_REFUSED, CkptrunError
-from ckptrun.runtime.ckpt_url import StoreUrl, UrlError, is_secret, parse, parse_storage_options
+from ckptrun.runtime.ckpt_url import StoreUrl, UrlError, merge_options, parse, parse_storage_options, split_secrets
 from ckptrun.runtime.remote_store import FsspecStore
 
 STAGING = "staging"  # RUN_DIR/staging: a store run's local copies without --local-cache, emptied after each upload
+STORAGE_OPTION = "--storage-option"
+REDACTED = "<redacted>"
 
 
 def location(text: str | Path) -> Path | StoreUrl:
@@ -54,12 +56,53 @@ def split_spec(data: dict[str, Any]) -> dict[str, Any]:
     items = data.get("store_options")
     if isinstance(items, (list, tuple, str)):
         try:
-            found = parse_storage_options(items)
+            items = parse_storage_options(items)
         except UrlError as exc:
             raise CkptrunError(str(exc), exc.hint, EXIT_REFUSED) from None
-        data["store_options"] = {k: v for k, v in found.items() if not is_secret(k)}
-        data["store_secrets"] = {**(data.get("store_secrets") or {}), **{k: v for k, v in found.items() if is_secret(k)}}
+    if isinstance(items, dict):  # parsed here, or a dict (resume's merged options): credentials at any depth go apart
+        data["store_options"], found = split_secrets(items)
+        data["store_secrets"] = merge_options(data.get("store_secrets") or {}, found)
     return data
+
+
+def resume_options(spec: Any, items: list[str]) -> dict[str, Any]:
+    """``resume --storage-option``: the run's stored options with ``items`` laid over them (credentials are
+    never in run.json, so a run that took them from ``--storage-option`` needs them again here)."""
+    if getattr(spec, "store_url", None) is None:
+        raise CkptrunError("--storage-option applies to a run whose --ckpt-dir is an object-store URL; this run's "
+                           "snapshots are local", "drop --storage-option", EXIT_REFUSED)
+    try:
+        given = parse_storage_options(items)
+    except UrlError as exc:
+        raise CkptrunError(str(exc), exc.hint, EXIT_REFUSED) from None
+    return merge_options(spec.store_options, given)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """``argv`` as it may be written (run.json, events, the lock file): every ``--storage-option`` value
+    becomes ``KEY=<redacted>`` (either form, ``--storage-option K=V`` or ``--storage-option=K=V``)."""
+    out: list[str] = []
+    redact_next = False
+    for word in argv:
+        if redact_next:
+            out.append(_redacted(word))
+            redact_next = False
+        elif word == STORAGE_OPTION:
+            out.append(word)
+            redact_next = True
+        elif word.startswith(STORAGE_OPTION + "="):
+            out.append(f"{STORAGE_OPTION}={_redacted(word[len(STORAGE_OPTION) + 1:])}")
+        else:
+            out.append(word)
+        if word == "--":  # what follows is the script's own arguments
+            out.extend(argv[len(out):])
+            break
+    return out
+
+
+def _redacted(item: str) -> str:
+    key, sep, _ = item.partition("=")
+    return f"{key}={REDACTED}" if sep else REDACTED
 
 
 def worker_fields(store_url: str | None, cache_dir: Path | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +124,7 @@ def store_of(spec: Any) -> FsspecStore | None:
     """The object store a launch spec names (None for a local run)."""
     if spec is None or getattr(spec, "store_url", None) is None:
         return None
-    return open_store(spec.store_url, {**spec.store_options, **spec.store_secrets})
+    return open_store(spec.store_url, merge_options(spec.store_options, spec.store_secrets))
 
 
 def store_of_run(run_dir: Path) -> FsspecStore | None:

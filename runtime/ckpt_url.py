@@ -141,3 +141,33 @@ def parse_storage_options(items: Iterable[str] | str | None) -> dict[str, Any]:
 def is_secret(key: str) -> bool:
     """Storage options that look like credentials: passed to workers, never written to the run dir."""
     return any(word in key.lower() for word in _SECRET_WORDS)
+
+
+def split_secrets(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``options`` as (what may be written, the credentials), at every nesting level: s3fs takes
+    ``client_kwargs.aws_secret_access_key`` as well as a top-level ``secret``."""
+    public: dict[str, Any] = {}
+    secret: dict[str, Any] = {}
+    for key, value in options.items():
+        if is_secret(str(key)):
+            secret[key] = value
+        elif isinstance(value, dict):
+            inner_public, inner_secret = split_secrets(value)
+            if inner_public or not inner_secret:
+                public[key] = inner_public
+            if inner_secret:
+                secret[key] = inner_secret
+        else:
+            public[key] = value
+    return public, secret
+
+
+def merge_options(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` laid over it, nested dicts merged key by key (the inverse of :func:`split_secrets`)."""
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_options(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -58,6 +58,7 @@ class RunEnv(BaseModel):
     supervisor_pid: int | None = Field(None, description="Workers exit when this process is gone.")
     supervisor_start_time: float | None = Field(None, description="psutil create_time of the supervisor, guards against pid reuse.")
     resume_from: Path | None = Field(None, description="Snapshot verified by the supervisor; load exactly this one.")
+    node: int | None = Field(None, ge=0, description="Many nodes: the node rank whose supervisor started this worker; its teardown sweep matches (run_id, node).")
     precision: PrecisionMode = Field("auto", description="Precision policy (issue: precision).")
     save_every_steps: int | None = Field(None, ge=1, description="Save every N optimizer steps.")
     save_every_seconds: float | None = Field(None, gt=0, description="Save when T seconds passed since the last save (rank 0 decides).")

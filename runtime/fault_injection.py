@@ -45,6 +45,9 @@ class FaultInjector:
         which snapshot a test resumes from does not depend on the writer's speed."""
         return any(f.kind in ("kill", "hang", "exit") and f.step == step and f.micro == micro for f in self.faults)
 
+    def hang_due(self, step: int) -> bool:
+        return any(f.kind == "hang" and f.step == step and f.micro is None for f in self.faults)
+
     def after_step(self, step: int) -> None:
         for fault in self.faults:
             if fault.kind in ("kill", "hang", "exit") and fault.step == step and fault.micro is None:

@@ -45,6 +45,10 @@ FORKS_DIR = "forks"
 BLOCK = 8 << 20  # multipart part size: s3fs buffers this much per stream
 
 
+class ManifestUnreadable(ManifestError):
+    """A manifest the store failed to return (unreachable, denied, throttled): unknown, not absent."""
+
+
 @dataclass
 class Prefix:
     """One ``step-<N>-<id>/`` prefix as listed: its objects (relative path → size) and newest write time."""
@@ -80,7 +84,7 @@ class FsspecStore:
             listing = self.fs.find(self.url.path, detail=True)
         except FileNotFoundError:
             return []
-        root = self.url.path.rstrip("/") + "/"
+        root = self.fs._strip_protocol(self.url.url).rstrip("/") + "/"  # as the fs names what it lists (memory: "/…")
         for path, info in listing.items():
             relative = path[len(root):] if path.startswith(root) else path
             head, _, rest = relative.partition("/")
@@ -100,19 +104,23 @@ class FsspecStore:
         except FileNotFoundError:
             raise ManifestError(f"{where}: missing") from None
         except Exception as exc:  # noqa: BLE001 - any storage error reads as an unreadable manifest
-            raise ManifestError(f"{where}: unreadable ({type(exc).__name__}: {exc})") from None
+            raise ManifestUnreadable(f"{where}: unreadable ({type(exc).__name__}: {exc})") from exc
         try:
             return Manifest.model_validate_json(text)
         except ValueError as exc:
             raise ManifestError(f"{where}: invalid ({str(exc).splitlines()[0]})") from None
 
     def published(self, prefixes: list[Prefix] | None = None) -> list[Published]:
-        """Committed prefixes whose manifest reads, oldest step first."""
+        """Committed prefixes whose manifest reads, oldest step first. A manifest that cannot be fetched
+        (a storage error, not a missing or invalid one) raises :class:`ManifestUnreadable`: leaving it out
+        would make an older snapshot look like the newest."""
         found = []
         for prefix in self.prefixes() if prefixes is None else prefixes:
             if prefix.committed:
                 try:
                     found.append(Published(prefix.name, prefix.step, self.read_manifest(prefix.name), self.location(prefix.name)))
+                except ManifestUnreadable:
+                    raise
                 except ManifestError:
                     continue
         return sorted(found, key=lambda p: (p.step, p.manifest.created))
@@ -205,7 +213,8 @@ def chain(snapshots: list[Published], fork: tuple[str | None, float] | None = No
 
     A manifest's parent is a snapshot name (``step-N``); several prefixes may hold
     step N (a re-save after a restart, another line), so the parent is the newest
-    one of that step created before its child. Snapshots of abandoned lines are
+    one of that step created before its child; a parent retention deleted is bridged
+    within the child's lineage (:func:`_parent`). Snapshots of abandoned lines are
     left out, so retention never deletes them and restore never picks them.
     """
     if not snapshots:
@@ -224,13 +233,26 @@ def chain(snapshots: list[Published], fork: tuple[str | None, float] | None = No
         match = PREFIX_RE.match(current.manifest.parent) or re.match(r"^step-(\d{9,})$", current.manifest.parent)
         if match is None:
             break
-        older = [p for p in by_step.get(int(match.group(1)), []) if p.manifest.created <= current.manifest.created and p.name not in seen]
-        if not older:
+        parent = _parent(current, int(match.group(1)), by_step.get(int(match.group(1)), []), snapshots, seen)
+        if parent is None:
             break
-        current = max(older, key=lambda p: p.manifest.created)
+        current = parent
         found.append(current)
         seen.add(current.name)
     return found[::-1]
+
+
+def _parent(child: Published, step: int, at_step: list[Published], snapshots: list[Published],
+            seen: set[str]) -> Published | None:
+    """The newest prefix of ``step`` created before ``child``; when there is none (retention deleted it:
+    ``--keep-every`` keeps milestones on both sides of a deleted one), the newest snapshot of the child's
+    lineage below that step, so that the line bridges the gap instead of ending at it."""
+    before = [p for p in at_step if p.manifest.created <= child.manifest.created and p.name not in seen]
+    if not before:
+        below = [p for p in snapshots if p.manifest.lineage == child.manifest.lineage and p.step < step
+                 and p.manifest.created <= child.manifest.created and p.name not in seen]
+        before = [p for p in below if p.step == max(q.step for q in below)]
+    return max(before, key=lambda p: p.manifest.created) if before else None
 
 
 def open_store(url: str, options_json: str | None = None) -> FsspecStore:

@@ -130,8 +130,9 @@ class StepEnd:
         elif self.memory.due(self.step) and self.saved_step != self.step:  # due for both: the durable save only
             self._memory_save()
         if self.faults.step_fault_due(self.step):
-            self._write_pending_line()  # rank 0's line; the faulty rank's own step goes in its heartbeat
-            self.heart.beat(self.step, "train", force=True)
+            self._write_pending_line()  # rank 0's line; a crashing rank's own step goes in its heartbeat
+            if not self.faults.hang_due(self.step):  # a hung rank stays silent, as a real one would
+                self.heart.beat(self.step, "train", force=True)
             self._settle_saves(wait=True)
             self.faults.after_step(self.step)
 

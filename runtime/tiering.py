@@ -9,8 +9,12 @@ is the candidate; the local copy is used when its manifest is the same
 Otherwise — no local copy (a lost node, a staging-only run), a local copy
 that does not verify — the prefix is downloaded into the local directory,
 every object hashed against its manifest as it streams; a mismatch refuses
-that snapshot and the previous one is tried. Either way the workers then load
-a local directory, as in a local run. Importable without torch.
+that snapshot and the previous one is tried. A storage error (after retries)
+is not a mismatch: the listing or the download raises
+:class:`~ckptrun.runtime.transfer.StoreUnavailable` instead of falling back to
+an older snapshot or to none, which would restart training off the line.
+Either way the workers then load a local directory, as in a local run.
+Importable without torch.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Callable
 
 from ckptrun.runtime.remote_store import FsspecStore, Prefix
 from ckptrun.runtime.store_backend import LocalStore, Published
-from ckptrun.runtime.transfer import MismatchError, Retry, copy_snapshot, describe
+from ckptrun.runtime.transfer import MismatchError, Retry, StoreUnavailable, copy_snapshot, describe
 from ckptrun.runtime.verify import verify_snapshot
 
 LOCAL, REMOTE = "local-cache", "remote"
@@ -68,11 +72,22 @@ def remote_candidates(remote: FsspecStore, skip: frozenset[str] | set[str] = fro
     return [p for p in reversed(line) if p.digest not in skip], {p.name: p for p in prefixes}
 
 
+def listed_candidates(remote: FsspecStore, skip: frozenset[str] | set[str] = frozenset(), retry: Retry = Retry(),
+                      log: Callable[[str], None] = lambda _: None) -> tuple[list[Published], dict[str, Prefix]]:
+    """:func:`remote_candidates` with retries; :class:`StoreUnavailable` when the store cannot be listed."""
+    try:
+        return retry.run(lambda: remote_candidates(remote, skip), f"listing {remote.where}", log)
+    except Exception as exc:  # noqa: BLE001 - storage libraries raise anything: unknown, not empty
+        raise StoreUnavailable(f"cannot list {remote.where}: {describe(exc)}") from exc
+
+
 def choose(remote: FsspecStore, cache: Path, log: Callable[[str], None] = lambda _: None,
            skip: frozenset[str] | set[str] = frozenset(), retry: Retry = Retry(), threads: int = 8) -> Choice | None:
-    """The newest snapshot of the current line that verifies, as a local directory, saying why newer ones were skipped."""
+    """The newest snapshot of the current line that verifies, as a local directory, saying why newer ones were
+    skipped. None only when the line has no committed snapshot that verifies; :class:`StoreUnavailable` when
+    the store fails (listing, or downloading the candidate)."""
     local = LocalStore(cache)
-    candidates, listing = retry.run(lambda: remote_candidates(remote, skip), f"listing {remote.where}", log)
+    candidates, listing = listed_candidates(remote, skip, retry, log)
     for snapshot in candidates:
         started = time.monotonic()
         where = remote.location(snapshot.name)
@@ -89,9 +104,8 @@ def choose(remote: FsspecStore, cache: Path, log: Callable[[str], None] = lambda
         except MismatchError as exc:
             log(f"skipping {where}: {exc}")
             continue
-        except Exception as exc:  # noqa: BLE001 - the store failed after retries: try an older snapshot
-            log(f"skipping {where}: download failed ({describe(exc)})")
-            continue
+        except Exception as exc:  # noqa: BLE001 - the store failed after retries: an older one would lose progress
+            raise StoreUnavailable(f"downloading {where} failed: {describe(exc)}") from exc
         seconds = time.monotonic() - started
         log(f"using {where}: {why}; downloaded and verified {snapshot.manifest.total_bytes} bytes in {seconds:.2f}s")
         return Choice(Path(fetched.where), snapshot.step, REMOTE, why, where, snapshot.digest, seconds,
@@ -126,8 +140,8 @@ def choose_for_worker(remote: FsspecStore, cache: Path, run_dir: Path, skip_name
             continue
     try:
         choice = choose(remote, cache, log, skip)
-    except Exception as exc:  # noqa: BLE001 - the store cannot be listed: which snapshot is newest is unknown
-        print(f"error: cannot list the snapshots in {remote.where}: {describe(exc)}", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 - the store failed: which snapshot is newest, or its bytes, is unknown
+        print(f"error: cannot restore from {remote.where}: {describe(exc)}", file=sys.stderr, flush=True)
         print("hint: check the endpoint and credentials (environment, ~/.aws, --storage-option)", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     if choice is not None:

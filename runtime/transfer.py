@@ -28,6 +28,11 @@ class MismatchError(ValueError):
     """The bytes copied differ from the manifest (size or digest): the source snapshot is refused."""
 
 
+class StoreUnavailable(RuntimeError):
+    """The store failed after every retry (unreachable, denied, throttled): which snapshot is newest, or its
+    bytes, are unknown now — not absent. Whoever restores gives up resumably rather than start from step 0."""
+
+
 @dataclass(frozen=True)
 class Retry:
     """``attempts`` tries with back-off ``base`` · 2^k seconds between them, at most ``cap``."""

@@ -95,6 +95,10 @@ class ScriptedWorld:
 
     restart_snapshot = newest_snapshot  # no memory tier in a scripted world
 
+    def newest_step(self) -> int | None:
+        snapshot = self.newest_snapshot()
+        return snapshot.step if snapshot else None
+
     def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
         self.quarantined.append((snapshot, status, reason))
         return snapshot.parent / "quarantine" / "x" / snapshot.name

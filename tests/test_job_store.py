@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from typing import Iterator
 
 import pytest
@@ -142,3 +143,105 @@ def test_each_node_verifies_a_disjoint_share_and_a_bad_share_skips_the_snapshot_
     first = leader.verify_verdicts("3.1", [0, 1])
     assert first[0]["ok"] and first[0]["files"] == 2 and not first[1]["ok"] and first[1]["files"] == 1
     assert any("skipping step-000000010" in line and "node 1" in line for line in said), said
+
+
+# --- the multi-node supervisor's decisions, on a real store (the world that would launch ranks is a stand-in) ---
+
+
+def _node_supervisor(job: JobStore, node: int, join_timeout: float = 20.0):
+    """A NodeSupervisor with only what its between-attempts code reads: the store is real, no ranks start."""
+    from types import SimpleNamespace
+
+    from ckptrun.cli.supervision.node_agent import NodeSupervisor
+
+    supervisor = NodeSupervisor.__new__(NodeSupervisor)
+    supervisor.world = SimpleNamespace(job=job, node=node, settings=SimpleNamespace(leader=node == 0), active=[node],
+                                       stop_file_present=lambda: False, say=lambda line: None,
+                                       event=lambda name, **fields: None)
+    supervisor.stop = SimpleNamespace(reason=lambda now, present: None)
+    supervisor.timeouts = SimpleNamespace(poll=0.02, startup=20.0)
+    supervisor.first_attempt, supervisor.restarts, supervisor.resume = 1, 0, None
+    supervisor.join_timeout, supervisor.incarnations = join_timeout, {}
+    return supervisor
+
+
+def _in_thread(call):
+    import threading
+
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_follower_takes_the_next_attempt_by_its_number_never_by_the_leaders_clock() -> None:
+    """Finding 5: the leader's clock an hour behind the follower's; an attempt already running when the follower
+    joins (or one that leaves it out) is not its; the next one listing it is."""
+    from ckptrun.cli.supervision.node_world import wait_for
+
+    leader = JobStore.host("run-n", "127.0.0.1", 0)
+    follower = JobStore.connect("run-n", "127.0.0.1", leader.port, timeout_s=5)
+    behind = time.time() - 3600.0
+    leader.put(leader.key("attempt"), {"attempt": 3, "snapshot": None, "nodes": [0, 1], "time": behind})
+    thread, result = _in_thread(_node_supervisor(follower, 1)._first_attempt)
+    assert wait_for(lambda: leader.node(1), timeout=20.0)  # it joined after reading attempt 3
+    leader.put(leader.key("attempt"), {"attempt": 4, "snapshot": None, "nodes": [0], "time": behind})  # not its
+    snapshot = {"path": "/ckpt/step-000000010", "step": 10}
+    leader.put(leader.key("attempt"), {"attempt": 5, "snapshot": snapshot, "nodes": [0, 1], "time": behind})
+    thread.join(timeout=20.0)
+    assert result and result[0][0] == 5 and result[0][1].step == 10
+
+
+def test_a_quiet_node_that_beats_again_with_the_same_incarnation_counts_as_rejoined() -> None:
+    """Finding 6: a network blip is not a lost launcher; a node that stays silent is still not back."""
+    leader = JobStore.host("run-q", "127.0.0.1", 0)
+    follower = JobStore.connect("run-q", "127.0.0.1", leader.port, timeout_s=5)
+    follower.join(1)
+    follower.beat(1, state="healthy")
+    silent = _node_supervisor(leader, 0, join_timeout=0.5)
+    silent.incarnations = {1: 1}
+    assert silent._wait_for_rejoin(1) is False  # no new beat, no new launcher within the join timeout
+    waiting = _node_supervisor(leader, 0)
+    waiting.incarnations = {1: 1}
+    thread, result = _in_thread(lambda: waiting._wait_for_rejoin(1))
+    deadline = time.monotonic() + 20.0
+    while thread.is_alive() and time.monotonic() < deadline:  # back: the same supervisor beats, as it does waiting
+        follower.beat(1, state="waiting")
+        time.sleep(0.05)
+    thread.join(timeout=1.0)
+    assert result == [True] and waiting.incarnations[1] == 1 and leader.node(1)["incarnation"] == 1
+
+
+def test_a_follower_hashing_its_share_keeps_beating(tmp_path, monkeypatch) -> None:
+    """Finding 6: a follower verifying a long share is not judged lost meanwhile."""
+    from snapshot_factory import make_snapshot
+
+    from ckptrun.cli.supervision import node_verify
+
+    monkeypatch.setattr(node_verify, "BEAT_S", 0.0)  # a beat per chunk: the tiny snapshot hashes in milliseconds
+    snapshot = make_snapshot(tmp_path / "ckpt", 5)
+    leader = JobStore.host("run-b", "127.0.0.1", 0)
+    follower = JobStore.connect("run-b", "127.0.0.1", leader.port, timeout_s=5)
+    leader.ask_verify(2, 1, str(snapshot), [0, 1])
+    node_verify.answer(follower, 2, 1, set())
+    assert leader.heartbeats([1])[1]["state"] == "verifying"
+    assert leader.verify_verdicts("2.1", [0, 1])[1]["ok"]
+
+
+def test_a_busy_coordination_port_is_refused_with_the_fix() -> None:
+    """Finding 12: the leader cannot bind its store port: exit 2, one line, the --coord-port hint."""
+    import socket
+
+    from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
+    from ckptrun.cli.supervision.many_nodes import host_job_store
+    from ckptrun.cli.supervision.node_env import NodeSettings
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        settings = NodeSettings(nnodes="2", rdzv_endpoint="127.0.0.1:1", job_id="run-p", coord_port=port)
+        with pytest.raises(CkptrunError) as error:
+            host_job_store(settings)
+    assert error.value.exit_code == EXIT_REFUSED and "--coord-port" in (error.value.hint or "")
+    assert f"127.0.0.1:{port}" in error.value.message and "\n" not in error.value.message

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import psutil
 import pytest
-from launch_helpers import CKPTRUN, Cleanup, assert_losses_equal, ckptrun, events, kill_tree, tail, wait_for
+from launch_helpers import CKPTRUN, Cleanup, assert_losses_equal, ckptrun, events, kill_tree, run_id, tail, wait_for
 
 from ckptrun.runtime.records import final_losses
 
@@ -272,25 +272,60 @@ def test_node_1s_torchrun_killed_restarts_both_exactly(tmp_path: Path, cleanup: 
     wait_for(lambda: not _run_processes(pair.run_dir), timeout=30, what="no orphans")
 
 
-@pytest.mark.timeout(300)
-def test_elastic_two_nodes_to_one_continues_resharded_with_the_sample_stream_intact(tmp_path: Path,
-                                                                                  cleanup: Cleanup) -> None:
+def _join_count(pair: Pair, node: int) -> int:
+    """How many launchers of node rank ``node`` have joined the job (its incarnation in the leader's store)."""
+    from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
+
+    try:
+        job = JobStore.connect(run_id(pair.run_dir), "127.0.0.1", pair.port + 1, timeout_s=5.0)  # the store: port + 1
+        return int((job.node(node) or {}).get("incarnation", 0))
+    except (StoreUnreachable, OSError, ValueError):
+        return 0
+
+
+@pytest.mark.timeout(420)
+def test_elastic_two_nodes_to_one_continues_resharded_and_grows_back_with_the_sample_stream_intact(
+        tmp_path: Path, cleanup: Cleanup) -> None:
+    """2 nodes → 1 (node 1 lost past the join timeout) → 2 (node 1's launcher relaunched, joined at the next
+    restart). Attempt 2 saves slowly (``slow-save``) so that it is still training when node 1 has joined."""
+    steps = 40
     pair = Pair(tmp_path, cleanup, "elastic", nnodes="1:2")
-    pair.launch("--allow-reshard", "--node-join-timeout", "5")
+    pair.launch("--allow-reshard", "--node-join-timeout", "5", "--inject-fault", "slow-save:ms=1000:attempt=2",
+                job=["--", "--num-workers", "0", "--steps", str(steps)])
     wait_for(lambda: any(e.get("step", 0) >= 5 for e in events(pair.run_dir, "snapshot_saved")), timeout=150,
              what="the first snapshot")
-    kill_tree(pair.procs[1].pid)  # node 1 is gone for good
-    assert pair.wait(0) == 0, pair.log(0)
-    changed = events(pair.run_dir, "nodes_changed")
-    assert len(changed) == 1 and changed[0]["nodes"] == [0] and changed[0]["lost"] == [1], changed
-    restart = events(pair.run_dir, "restart")[-1]
-    resharded = events(pair.run_dir, "resharded")
-    assert [(e["old_world_size"], e["new_world_size"], e["step"]) for e in resharded] == [(2, 1, restart["snapshot_step"])]
+    kill_tree(pair.procs[1].pid)  # node 1 is gone past the join timeout
+    pair.procs[1].wait()
     from ckptrun.runtime.records import read_metrics
 
-    steps = {(m["attempt"], m["step"]): m["samples_seen"] for m in read_metrics(pair.run_dir) if "samples_seen" in m}
-    at_snapshot = steps[(1, restart["snapshot_step"])]
-    first_after = min(s for a, s in steps if a == restart["attempt"])
-    assert first_after == restart["snapshot_step"] + 1
-    assert steps[(restart["attempt"], first_after)] == at_snapshot + 32  # one rank's batch: no sample skipped or repeated
-    assert max(s for _, s in steps) == 20
+    wait_for(lambda: any(m.get("attempt") == 2 and m.get("step", 0) >= 8 for m in read_metrics(pair.run_dir)),
+             timeout=150, what="a few steps on node 0 alone")
+    pair.start(1, *pair.flags(1), *QUICK, "--allow-reshard", "--node-join-timeout", "5", "--inject-fault",
+               "slow-save:ms=1000:attempt=2", "--", "--num-workers", "0", "--steps", str(steps))  # relaunched
+    wait_for(lambda: _join_count(pair, 1) >= 2, timeout=150, what="node 1's relaunched launcher to join")
+    shrunk_from = next(e["snapshot_step"] for e in events(pair.run_dir, "attempt_start") if e["attempt"] == 2)
+    wait_for(lambda: any(e["step"] > shrunk_from for e in events(pair.run_dir, "snapshot_saved")), timeout=150,
+             what="a snapshot written on node 0 alone")
+    _rank_of(pair.procs[0]).kill()  # the second incident: the leader's next restart takes node 1 back
+    assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
+    wait_for(lambda: not _run_processes(pair.run_dir), timeout=30, what="no processes left")
+
+    changed = [(e.get("lost"), e.get("joined"), e["nodes"]) for e in events(pair.run_dir, "nodes_changed")]
+    assert changed == [([1], None, [0]), (None, [1], [0, 1])], changed
+    shrink, grow = events(pair.run_dir, "restart")
+    assert (shrink["nodes"], grow["nodes"]) == ([0], [0, 1]), (shrink, grow)
+    resharded = [(e["old_world_size"], e["new_world_size"], e["step"]) for e in events(pair.run_dir, "resharded")]
+    assert resharded == [(2, 1, shrink["snapshot_step"]), (1, 2, grow["snapshot_step"])], resharded
+    assert grow["snapshot_step"] > shrink["snapshot_step"]  # a snapshot written on one node
+
+    seen = {(m["attempt"], m["step"]): m["samples_seen"] for m in read_metrics(pair.run_dir) if "samples_seen" in m}
+    for restart in (shrink, grow):  # the first step after each restart: the snapshot's count + the new global batch
+        attempt, snap = restart["attempt"], restart["snapshot_step"]
+        at_snapshot = seen[(max(a for a, s in seen if s == snap and a < attempt), snap)]
+        first_after = min(s for a, s in seen if a == attempt)
+        assert first_after == snap + 1
+        assert seen[(attempt, first_after)] == at_snapshot + 32 * len(restart["nodes"]), (restart, seen)
+    assert max(s for _, s in seen) == steps
+    final = 64 * shrink["snapshot_step"] + 32 * (grow["snapshot_step"] - shrink["snapshot_step"]) + 64 * (
+        steps - grow["snapshot_step"])
+    assert seen[(grow["attempt"], steps)] == final  # no sample skipped or repeated across both reshards

@@ -185,3 +185,18 @@ def test_one_node_launch_refuses_many_nodes_where_only_one_launcher_runs(tmp_pat
     with pytest.raises(CkptrunError) as error:
         start_run(build_spec({"nnodes": "2", "run_dir": tmp_path / "r"}), argv=[], estimator=None)  # type: ignore[arg-type]
     assert "--node-rank" in (error.value.hint or "") and not (tmp_path / "r").exists()
+
+
+def test_a_node_local_cache_is_refused_on_many_nodes(tmp_path) -> None:
+    """Finding 9: --local-cache with --nnodes 2 is refused (exit 2) before a run dir or a store exists."""
+    from ckptrun.cli.errors import EXIT_REFUSED
+    from ckptrun.cli.supervision.many_nodes import start_nodes
+    from ckptrun.cli.supervision.spec import build_spec
+
+    spec = build_spec({"ckpt_dir": "memory://bucket/run", "cache_dir": tmp_path / "cache", "nnodes": "2",
+                       "run_dir": tmp_path / "run"})
+    settings = node_settings({**NONE, "nnodes": "2", "rdzv_endpoint": "127.0.0.1:29500", "name": "job"}, {})
+    with pytest.raises(CkptrunError, match="--local-cache") as error:
+        start_nodes(spec, settings, argv=[], as_json=False, estimator=None)
+    assert error.value.exit_code == EXIT_REFUSED and "RUN_DIR/staging" in (error.value.hint or "")
+    assert not (tmp_path / "run").exists()

@@ -224,3 +224,18 @@ def test_diverged_resume_is_flagged_and_with_require_exact_ends_the_run(require_
     assert any("WARNING: resume check: diverged" in line for line in world.said)
     if require_exact:
         assert world.teardowns == 2 and "diverged" in outcome.message and world.events("gave_up")[0]["exit_code"] == 4
+
+
+def test_a_resume_at_another_global_batch_is_not_compared() -> None:
+    """A node came or went and the global batch changed: the replayed losses are of other batches, never 'diverged'."""
+    from ckptrun.cli.supervision.recovery import Recovery
+
+    recovery = Recovery(RecoveryOptions(deterministic=True, require_exact_resume=True))
+    recovery.note([{"step": s, "loss": 2.0 - s / 10, "time": T0 + s} for s in range(1, 13)], snapshot_step=10)
+    recovery.restarting(10)
+    recovery.resharded()
+    recovery.batch_changed()
+    recovery.note([{"step": s, "loss": 9.0, "time": T0 + 20 + s} for s in (11, 12)], snapshot_step=None)
+    assert not recovery.diverged()
+    fields = recovery.restart_fields(1.0)
+    assert fields["resume_verdict"] is None and fields["replayed_steps"] == 0, fields

@@ -19,6 +19,7 @@ import typer
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_REFUSED, CkptrunError, command
 from ckptrun.cli.recovery_budget import rto_launch
+from ckptrun.cli.store_location import redact_argv, resume_options
 from ckptrun.cli.supervision.rundir import RunPaths, alive, holder, latest_run, node_holders
 from ckptrun.cli.supervision.runner import resume_run, start_run
 from ckptrun.cli.supervision.node_env import node_fields, node_settings, resume_settings
@@ -124,9 +125,9 @@ def launch(
         options.update(nnodes=settings.nnodes, node_rank=settings.node_rank, rdzv_endpoint=settings.rdzv_endpoint,
                        rdzv_backend=settings.rdzv_backend, name=settings.job_id, coord_port=settings.store_port,
                        master_addr=None, master_port=None)
-        return start_nodes(launch_spec(ctx, config, standalone, options), settings, argv=sys.argv, as_json=as_json,
+        return start_nodes(launch_spec(ctx, config, standalone, options), settings, argv=redact_argv(sys.argv), as_json=as_json,
                            estimator=rto_launch)
-    return start_run(launch_spec(ctx, config, standalone, options), argv=sys.argv, as_json=as_json,
+    return start_run(launch_spec(ctx, config, standalone, options), argv=redact_argv(sys.argv), as_json=as_json,
                      estimator=rto_launch)
 
 
@@ -156,6 +157,7 @@ def resume(
     nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", help="Ranks on this node, as launch takes it; another world size than the snapshot's needs --allow-reshard.", show_default=False),
     allow_reshard: bool = typer.Option(False, "--allow-reshard", help="Resume a snapshot written at another world size: tensors and the data position reshard, per-rank RNG is reseeded (judged within tolerance, never exact)."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="Many nodes: this node's rank (or PET_NODE_RANK, SLURM_NODEID); run resume on every node.", show_default=False),
+    storage_option: Optional[list[str]] = typer.Option(None, "--storage-option", metavar="KEY=VALUE", help="fsspec option of the run's object store, over the stored ones (repeatable); credentials are never stored, so pass them again.", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> int:
     """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec.
@@ -176,14 +178,16 @@ def resume(
         build_spec({"max_restarts": max_restarts})
     run_dir = run_dir or latest_run()
     spec = read_run_record(run_dir).spec
+    if storage_option:
+        overrides["store_options"] = resume_options(spec, storage_option)
     if spec.nnodes.split(":")[-1] != "1":  # a many-node run: resume runs on every node, node rank 0 leads
         from ckptrun.cli.supervision.many_nodes import resume_nodes
 
         if source:
             raise CkptrunError("--from is not supported for a many-node run yet", "resume with --latest on every node")
-        return resume_nodes(run_dir, resume_settings(spec, node_rank, os.environ), overrides, argv=sys.argv,
+        return resume_nodes(run_dir, resume_settings(spec, node_rank, os.environ), overrides, argv=redact_argv(sys.argv),
                             as_json=as_json, estimator=rto_launch)
-    return resume_run(run_dir, source, overrides, argv=sys.argv, as_json=as_json, estimator=rto_launch)
+    return resume_run(run_dir, source, overrides, argv=redact_argv(sys.argv), as_json=as_json, estimator=rto_launch)
 
 
 @command

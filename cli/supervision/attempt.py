@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # annotations only: the agent process imports this module and
     from ckptrun.cli.supervision.spec import LaunchSpec
 
 RUN_ID_VARIABLE = variable("run_id")
+NODE_VARIABLE = variable("node")
 FAILED_GRACE_S = 1.0  # SIGTERM -> SIGKILL for a failed attempt's survivors (they have nothing to save)
 
 
@@ -127,9 +128,9 @@ class AttemptProcess:
         unique = {p.pid: p for p in processes if p.pid != self.root.pid}
         return list(unique.values())
 
-    def teardown(self, grace: float, run_id: str, failed: bool = False) -> float:
-        """SIGTERM the ranks and torchrun at once, wait up to ``grace``, SIGKILL the rest, sweep by run id;
-        returns seconds.
+    def teardown(self, grace: float, run_id: str, failed: bool = False, node: int | None = None) -> float:
+        """SIGTERM the ranks and torchrun at once, wait up to ``grace``, SIGKILL the rest, sweep by run id
+        (and ``node``: only that node's workers, when several nodes share a host); returns seconds.
 
         A ``failed`` attempt (a crash, a hang, a kill) has nothing left to save, and its survivors sit blocked
         in a collective waiting for the lost rank: they get :data:`FAILED_GRACE_S` at most, not the grace
@@ -149,7 +150,7 @@ class AttemptProcess:
             self.popen.kill()
             self.popen.wait()
         kill_all(alive)
-        kill_all(processes_of_run(run_id))
+        kill_all(processes_of_run(run_id, node))
         return time.monotonic() - started
 
 
@@ -186,14 +187,18 @@ def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Pr
     return alive
 
 
-def processes_of_run(run_id: str) -> list[psutil.Process]:
-    """Every live process whose environment carries this run's id (never this process)."""
+def processes_of_run(run_id: str, node: int | None = None) -> list[psutil.Process]:
+    """Every live process whose environment carries this run's id, and ``node``'s rank when given (never
+    this process)."""
     found = []
     for process in psutil.process_iter():
         if process.pid == os.getpid():
             continue
         try:
-            if process.environ().get(RUN_ID_VARIABLE) == run_id and process.status() != psutil.STATUS_ZOMBIE:
+            environ = process.environ()
+            if environ.get(RUN_ID_VARIABLE) != run_id or (node is not None and environ.get(NODE_VARIABLE) != str(node)):
+                continue
+            if process.status() != psutil.STATUS_ZOMBIE:
                 found.append(process)
         except psutil.Error:
             continue

@@ -1,12 +1,16 @@
 """``launch`` and ``resume`` on many nodes: one launcher per node, node rank 0 leads.
 
-The leader does what one node does (refuses a used run dir, writes
-``run.json``, picks the snapshot) and then hosts the job's store; it writes a
-fresh token into the checkpoint directory and publishes it, and every other
-node must read the same token from *its* checkpoint directory — the
-directory must be one storage everywhere — or is refused (exit 2). The
-others join: they read the leader's ``run.json`` from the shared run dir and
-run its spec as node ``k``. torch is imported (for the store) only here.
+The leader hosts the job's store first (a busy port: exit 2 before anything
+is written), does what one node does (refuses a used run dir or store prefix,
+writes ``run.json``), writes a fresh token into the checkpoint directory and
+publishes it — and only then picks (and hashes) the snapshot, so the others
+never wait on a large verify to connect. Every other node must read the same
+token from *its* checkpoint directory — the directory must be one storage
+everywhere — or is refused (exit 2). The others join within the start-up
+allowance: they read the leader's ``run.json`` from the shared run dir and
+run its spec as node ``k``. A node-local ``--local-cache`` is refused: the
+leader's restore copy would not exist on the other hosts. torch is imported
+(for the store) only here.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
+from ckptrun.cli.errors import EXIT_REFUSED, EXIT_REQUEUE, CkptrunError
 from ckptrun.cli.progress import Progress
 from ckptrun.cli.supervision.attempt import default_job
 from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
@@ -28,7 +32,8 @@ from ckptrun.cli.supervision.observation import Snapshot, StopControl
 from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
 from ckptrun.cli.supervision.recovery import RecoveryOptions
 from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock
-from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _report, _stop_signals, cadence, ckpt_dir_of)
+from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _refuse_used_store, _report, _stop_signals, cadence,
+                                            ckpt_dir_of)
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.supervision.world import Estimator
 from ckptrun.runtime import records
@@ -39,10 +44,16 @@ JOIN_POLL_S = 0.5
 
 def start_nodes(spec: LaunchSpec, settings: NodeSettings, argv: list[str], as_json: bool, estimator: Estimator) -> int:
     """``ckptrun launch --nnodes N``: the leader creates the run, the others join it."""
+    if spec.cache_dir is not None:
+        raise CkptrunError(f"--local-cache {spec.cache_dir} with --nnodes {settings.nnodes}: a node-local cache is "
+                           "not seen by the other nodes (the leader's restore copy would be missing on theirs)",
+                           "leave --local-cache out on many nodes: snapshots then stage in RUN_DIR/staging, on the "
+                           "run dir every node shares")
     run_dir = spec.run_dir or RUNS_ROOT / str(settings.job_id)
     paths = NodePaths(run_dir, node=settings.node_rank)
     if settings.leader:
         _refuse_used(paths, ckpt_dir_of(spec, run_dir))
+        _refuse_used_store(spec)
     return _node_run(paths, settings, argv, as_json, estimator, spec=spec)
 
 
@@ -59,64 +70,118 @@ def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json
     paths.node_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(paths):
         if settings.leader:
-            record, first, resume = _lead(paths, settings, argv, spec, overrides or {})
-            job = JobStore.host(record.run_id, settings.host, settings.store_port)
-            token = uuid.uuid4().hex
-            ckpt_dir = ckpt_dir_of(record.spec, paths.root)
-            if not record.spec.store_url:  # an object-store URL names one storage for every node already
-                ckpt_dir.mkdir(parents=True, exist_ok=True)
-                (ckpt_dir / TOKEN_NAME).write_text(token)
-            job.set_token(token)
+            job = host_job_store(settings)  # first: the others connect while the leader picks the snapshot
+            try:
+                record = _lead(paths, settings, argv, spec, overrides or {})
+                _publish_token(job, record, paths)
+                first, resume = (1, None) if spec is not None else _pick_snapshot(paths, settings, record, argv)
+            except CkptrunError as exc:  # a bad override, no snapshot to resume: the others end with this verdict
+                _tell_others(job, settings, exc, (spec.grace_period if spec is not None else 10.0))
+                raise
         else:
-            job, record = _join(paths, settings, spec.ckpt_dir if spec is not None else None)
+            own = spec if spec is not None else read_run_record(paths.root).spec  # a resume: run.json is there
+            job, record = _join(paths, settings, spec.ckpt_dir if spec is not None else None, own.startup_timeout)
             first, resume = 1, None
         record.spec.node_rank = settings.node_rank
         return _supervise(record, paths, settings, job, first, resume, as_json, estimator)
 
 
+def host_job_store(settings: NodeSettings) -> JobStore:
+    """The leader's store at the coordination port; a port it cannot bind is refused (exit 2) with the fix."""
+    try:
+        return JobStore.host(str(settings.job_id), settings.host, settings.store_port)
+    except StoreUnreachable as exc:
+        raise CkptrunError(f"node rank 0 cannot host the job's store at {settings.host}:{settings.store_port} ({exc})",
+                           "pass a free --coord-port PORT (the same on every node), and run node rank 0 on the host "
+                           "--rdzv-endpoint names") from None
+
+
 def _lead(paths: NodePaths, settings: NodeSettings, argv: list[str], spec: LaunchSpec | None,
-          overrides: dict[str, Any]) -> tuple[RunRecord, int, Snapshot | None]:
+          overrides: dict[str, Any]) -> RunRecord:
+    """run.json as every node will read it: a new run's, or the resumed run's with the overrides applied."""
     if spec is not None:  # a new run
         spec.run_dir, spec.ckpt_dir = paths.root.resolve(), ckpt_dir_of(spec, paths.root).resolve()
         record = RunRecord(run_id=str(settings.job_id), argv=argv, spec=spec)
         write_run_record(paths.root, record)
         records.log_event(paths.root, "launch", run_id=record.run_id, argv=argv, spec=spec.model_dump(mode="json"),
                           nnodes=settings.nnodes)
-        return record, 1, None
+        return record
     record = read_run_record(paths.root)
     given = {key: value for key, value in overrides.items() if value is not None}
-    if given:  # written before the store opens: the other nodes read run.json once the leader's token is there
+    if given:  # written before the token: the other nodes read run.json once the leader's token is there
         record.spec = build_spec({**record.spec.model_dump(), **given})
         write_run_record(paths.root, record)
-    snapshot = _newest(ckpt_dir_of(record.spec, paths.root))
+    return record
+
+
+def _publish_token(job: JobStore, record: RunRecord, paths: NodePaths) -> None:
+    token = uuid.uuid4().hex
+    ckpt_dir = ckpt_dir_of(record.spec, paths.root)
+    if not record.spec.store_url:  # an object-store URL names one storage for every node already
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / TOKEN_NAME).write_text(token)
+    job.set_token(token)
+
+
+def _pick_snapshot(paths: NodePaths, settings: NodeSettings, record: RunRecord, argv: list[str]) -> tuple[int, Snapshot]:
+    """A resume's snapshot, as ``resume_run`` picks it (the store's newest for an object-store run)."""
+    snapshot = _newest(ckpt_dir_of(record.spec, paths.root), record.spec, paths.root)
     first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(paths.root, "attempt_start")), default=0)
     records.log_event(paths.root, "resume", attempt=first, snapshot=str(snapshot.path), snapshot_step=snapshot.step,
                       argv=argv, forked=False, nnodes=settings.nnodes)
-    return record, first, snapshot
+    return first, snapshot
 
 
-def _join(paths: NodePaths, settings: NodeSettings, own_ckpt_dir: Path | None) -> tuple[JobStore, RunRecord]:
+def _tell_others(job: JobStore, settings: NodeSettings, exc: CkptrunError, wait_s: float) -> None:
+    """Publish the leader's refusal as the job's verdict and give the joined nodes a moment to read it."""
+    others = [n for n in range(settings.max_nodes) if n != settings.node_rank]
+    try:
+        job.set_verdict("gave_up", exc.exit_code, exc.message, hint=exc.hint, restarts=0)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if set(others) <= set(job.teardown_acks("end", others)):  # every other node read it
+                return
+            time.sleep(JOIN_POLL_S)
+    except StoreUnreachable:
+        pass
+
+
+def _join(paths: NodePaths, settings: NodeSettings, own_ckpt_dir: Path | None,
+          startup_s: float) -> tuple[JobStore, RunRecord]:
     """Connect to the leader's store (it may start later: up to the start-up allowance), check the storage."""
-    deadline = time.monotonic() + 120.0
+    deadline = time.monotonic() + startup_s
     job: JobStore | None = None
     while job is None:
         try:
             job = JobStore.connect(str(settings.job_id), settings.host, settings.store_port, timeout_s=5.0)
         except StoreUnreachable:
             if time.monotonic() > deadline:
-                raise CkptrunError(f"node rank 0's launcher did not answer at {settings.host}:{settings.store_port}",
+                raise CkptrunError(f"node rank 0's launcher did not answer at {settings.host}:{settings.store_port} "
+                                   f"within {startup_s:g}s (--startup-timeout)",
                                    "start `ckptrun launch` on node rank 0 with the same --rdzv-endpoint") from None
     token = None
-    while token is None and time.monotonic() < deadline:
-        token = job.token()
-        time.sleep(0 if token else JOIN_POLL_S)
+    try:
+        while token is None and time.monotonic() < deadline:
+            token, verdict = job.token(), job.verdict()
+            if verdict is not None:  # the leader refused the job before it started
+                job.ack_teardown("end", settings.node_rank, code=int(verdict["code"]))
+                raise CkptrunError(f"node rank 0: {verdict['message']}", verdict.get("hint"), int(verdict["code"]))
+            time.sleep(0 if token else JOIN_POLL_S)
+    except StoreUnreachable:
+        raise CkptrunError(f"node rank 0's launcher went away at {settings.host}:{settings.store_port} before the "
+                           "job started", "the job is resumable: start it again on every node (or let the scheduler "
+                           "requeue it)", EXIT_REQUEUE) from None
+    if token is None:
+        raise CkptrunError(f"node rank 0's launcher at {settings.host}:{settings.store_port} did not publish its "
+                           f"checkpoint token within {startup_s:g}s (--startup-timeout)",
+                           "check node rank 0's output; start every node with the same --rdzv-endpoint and --name")
     record = read_run_record(paths.root)
     ckpt_dir = own_ckpt_dir or ckpt_dir_of(record.spec, paths.root)  # what this node was told, checked against node 0's
     try:
         mine = (ckpt_dir / TOKEN_NAME).read_text()
     except OSError:
         mine = None
-    if token is None or (mine != token and not record.spec.store_url):
+    if mine != token and not record.spec.store_url:
         raise CkptrunError(f"checkpoint directory {ckpt_dir} on node {settings.node_rank} is not the storage node 0 "
                            "writes to (its token is missing or different)",
                            "put the run dir and --ckpt-dir on storage every node mounts at the same path", EXIT_REFUSED)

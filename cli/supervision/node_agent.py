@@ -40,6 +40,11 @@ def describe_snapshot(snapshot: Snapshot | None) -> dict[str, Any] | None:
     return {"path": str(snapshot.path), "step": snapshot.step, "digest": digest, "verify_s": snapshot.verify_s}
 
 
+def is_next(record: dict[str, Any] | None, after_attempt: int, node: int) -> bool:
+    """The leader's attempt record is one ``node`` runs next: numbered above ``after_attempt``, listing it."""
+    return record is not None and int(record["attempt"]) > after_attempt and node in record["nodes"]
+
+
 class NodeSupervisor(Supervisor):
     """One node's supervisor; ``world.settings.leader`` says whether it decides for the job."""
 
@@ -91,13 +96,18 @@ class NodeSupervisor(Supervisor):
     # --- the first attempt -----------------------------------------------------------------
 
     def _first_attempt(self) -> tuple[int, Snapshot | None] | Outcome:
-        joined = time.time()
+        try:  # the attempt running before this node joins is not this node's: wait for a higher number
+            current = self.job.attempt()
+        except StoreUnreachable as exc:
+            raise LeaderLost(str(exc)) from None
         self._call(self.job.join, self.world.node)
         if self.leader:
-            self._wait_for_nodes(self.world.nodes, self.timeouts.startup, "to join")
+            missing = self._wait_for_nodes(self.world.nodes, self.timeouts.startup)
+            if missing:
+                return self._not_joined(missing)
             self._call(self.job.start_attempt, self.first_attempt, describe_snapshot(self.resume), self.world.nodes)
             return self.first_attempt, self.resume
-        first = self._next_attempt(after=joined)
+        first = self._next_attempt(after_attempt=int(current["attempt"]) if current else 0)
         if not isinstance(first, Outcome):
             self.first_attempt, self.restarts = first[0], 0  # restarts count from here, as on the leader
         return first
@@ -184,39 +194,60 @@ class NodeSupervisor(Supervisor):
         return sorted(lost)
 
     def _wait_for_rejoin(self, node: int) -> bool:
+        """A new launcher of ``node`` joined (a higher incarnation), or its supervisor beats again (the same
+        incarnation: it was only quiet, e.g. a network blip)."""
         self.world.say(f"node {node} is lost: waiting up to {self.join_timeout:g}s for its launcher to join again")
         before = self.incarnations.get(node, 1)
         self.world.event("node_wait", node=node, join_timeout_s=self.join_timeout)
         started = time.time()
+        beat = (self.job.heartbeats([node]).get(node) or {}).get("time")
         deadline = time.monotonic() + self.join_timeout
         while time.monotonic() < deadline:
             record = self.job.node(node) or {}
-            if int(record.get("incarnation", 0)) > before:
-                self.incarnations[node] = int(record["incarnation"])
-                self.world.event("node_joined", node=node, waited_s=time.time() - started)
+            incarnation = int(record.get("incarnation", 0))
+            if incarnation > before or (self.job.heartbeats([node]).get(node) or {}).get("time") != beat:
+                self.incarnations[node] = max(incarnation, before)
+                self.world.event("node_joined", node=node, waited_s=time.time() - started,
+                                 relaunched=incarnation > before)
                 return True
             time.sleep(self.timeouts.poll)
         return False
 
-    def _wait_for_nodes(self, nodes: list[int], timeout: float, what: str) -> None:
+    def _wait_for_nodes(self, nodes: list[int], timeout: float) -> list[int]:
+        """Wait for every node's launcher to join; the nodes still missing after ``timeout``."""
         deadline = time.monotonic() + timeout
-        missing = nodes
-        while time.monotonic() < deadline:
+        while True:
             missing = [n for n in nodes if n != self.world.node and self.job.node(n) is None]
             if not missing:
                 for n in nodes:
                     self.incarnations[n] = int((self.job.node(n) or {}).get("incarnation", 1))
-                return
+                return []
+            if time.monotonic() >= deadline:
+                return missing
             time.sleep(self.timeouts.poll)
-        raise LeaderLost(f"nodes {missing} did not join within {timeout:g}s")  # ends the job, resumable
+
+    def _not_joined(self, missing: list[int]) -> Outcome:
+        """Start-up ends without every node: the leader's verdict (published by :meth:`supervise`) names them."""
+        message = f"node(s) {missing} did not join within {self.timeouts.startup:g}s (--startup-timeout): nothing ran"
+        if self.resume is not None:  # a resume: its snapshot is still there
+            code, hint = EXIT_REQUEUE, ("start `ckptrun resume --latest` on every node (the same --rdzv-endpoint), "
+                                        "or let the scheduler requeue the job")
+        else:
+            code, hint = EXIT_NO, ("start `ckptrun launch` on every node with the same --rdzv-endpoint and a new "
+                                   "--name (this one holds the run that did not start)")
+        self.world.say(message)
+        self.world.event("gave_up", attempt=self.first_attempt, exit_code=code, reason=message, missing_nodes=missing,
+                         restarts=0)
+        return Outcome(code, message, hint, restarts=0)
 
     # --- a client between attempts ------------------------------------------------------------
 
     def _follow(self, attempt: int) -> tuple[int, Snapshot | None] | Outcome:
         return self._next_attempt(after_attempt=attempt)
 
-    def _next_attempt(self, after: float | None = None, after_attempt: int | None = None) -> tuple[int, Snapshot | None] | Outcome:
-        """Wait for the leader's word: the next attempt (and its snapshot) or how the job ends."""
+    def _next_attempt(self, after_attempt: int) -> tuple[int, Snapshot | None] | Outcome:
+        """Wait for the leader's word: an attempt numbered above ``after_attempt`` that lists this node (its
+        number, never the leader's clock, says it is new), or how the job ends."""
         unreachable, verified = None, set()
         while True:
             try:
@@ -234,10 +265,7 @@ class NodeSupervisor(Supervisor):
             if verdict is not None:
                 return Outcome(int(verdict["code"]), str(verdict["message"]), verdict.get("hint"),
                                restarts=int(verdict.get("restarts", 0)))
-            fresh = record is not None and (
-                (after is not None and float(record["time"]) >= after - 1.0)
-                or (after_attempt is not None and int(record["attempt"]) > after_attempt)) and self.world.node in record["nodes"]
-            if fresh:
+            if is_next(record, after_attempt, self.world.node):
                 snap = record.get("snapshot")
                 resume = Snapshot(Path(snap["path"]), int(snap["step"])) if snap else None
                 self.restarts = max(self.restarts, int(record["attempt"]) - self.first_attempt)

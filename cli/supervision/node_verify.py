@@ -8,16 +8,18 @@ when every share is good; a snapshot any node finds bad is skipped by all (only
 the leader's choice is ever relaunched) and the next one is named. Verify time
 falls with the node count. A node that does not answer within
 :data:`ANSWER_S` (lost, or its launcher is being replaced) has its share
-hashed by the leader. Importable without torch.
+hashed by the leader. A follower keeps beating while it hashes, so a long
+share is not mistaken for a lost node. Importable without torch.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-from ckptrun.cli.supervision.job_store import JobStore
+from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
 from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.runtime.manifest import ManifestError, read_manifest
 from ckptrun.runtime.store import list_entries, read_lineage
@@ -25,13 +27,16 @@ from ckptrun.runtime.verify import verify_snapshot
 
 ANSWER_S = 30.0  # a node's verdict on its share; after this the leader hashes the share itself
 POLL_S = 0.05
+BEAT_S = 1.0  # a follower's heartbeat while it hashes its share
 
 
-def verify_share(job: JobStore, attempt: int, round: int, path: Path, node: int, nodes: list[int]) -> bool:
-    """Node ``node``'s share of round ``round``'s candidate: hash it, post the verdict; True when it is good."""
+def verify_share(job: JobStore, attempt: int, round: int, path: Path, node: int, nodes: list[int],
+                 beat: bool = False) -> bool:
+    """Node ``node``'s share of round ``round``'s candidate: hash it, post the verdict; True when it is good.
+    ``beat``: keep node ``node``'s heartbeat fresh meanwhile (a follower hashing its own share)."""
     started = time.monotonic()
     share = (nodes.index(node), len(nodes))
-    report = verify_snapshot(path, share=share)
+    report = verify_snapshot(path, share=share, progress=_beating(job, node, attempt) if beat else None)
     mine = len(report.manifest.files[share[0]::share[1]]) if report.manifest else 0
     job.post_verify(f"{attempt}.{round}", node, report.ok, mine, time.monotonic() - started, report.problems)
     return report.ok
@@ -43,7 +48,26 @@ def answer(job: JobStore, attempt: int, node: int, done: set[int]) -> None:
     if asked is None or int(asked["round"]) in done or node not in asked["nodes"]:
         return
     done.add(int(asked["round"]))
-    verify_share(job, attempt, int(asked["round"]), Path(asked["path"]), node, list(asked["nodes"]))
+    verify_share(job, attempt, int(asked["round"]), Path(asked["path"]), node, list(asked["nodes"]), beat=True)
+
+
+def _beating(job: JobStore, node: int, attempt: int) -> Callable[[int], None]:
+    """A hashing progress callback that beats at most every :data:`BEAT_S` (the hashing threads take turns:
+    the store's client is used by one thread at a time, the caller waits on the hash meanwhile)."""
+    lock, last = threading.Lock(), [time.monotonic()]
+
+    def progress(_bytes: int) -> None:
+        if time.monotonic() - last[0] < BEAT_S or not lock.acquire(blocking=False):
+            return
+        try:
+            last[0] = time.monotonic()
+            job.beat(node, attempt=attempt, state="verifying")
+        except StoreUnreachable:
+            pass
+        finally:
+            lock.release()
+
+    return progress
 
 
 def choose(job: JobStore, attempt: int, ckpt_dir: Path, nodes: list[int], me: int,

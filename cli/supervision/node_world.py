@@ -28,6 +28,7 @@ from ckptrun.cli.supervision.node_verify import choose
 from ckptrun.cli.supervision.observation import Observation, Snapshot
 from ckptrun.cli.supervision.rundir import RunPaths
 from ckptrun.cli.supervision.world import LocalWorld
+from ckptrun.runtime.env import RunEnv
 
 LEADER_LOST_S = 3.0  # a client that cannot reach the leader's store this long tears down and exits (requeue)
 RANKS_NAME = "ranks.json"  # in nodes/node-k: the global ranks this node runs in its current attempt
@@ -96,6 +97,10 @@ class NodeWorld(LocalWorld):
         super().launch(attempt, resume_from)
         self.watch = NodeWatch(self.watch.timeout_s)
 
+    def run_env(self, attempt: int, resume_from: Path | None) -> RunEnv:
+        """The single-node contract plus this node's rank: the teardown sweep matches (run id, node)."""
+        return super().run_env(attempt, resume_from).model_copy(update={"node": self.node})
+
     # --- observing ---
 
     def observe(self) -> Observation:
@@ -127,7 +132,8 @@ class NodeWorld(LocalWorld):
             if now - self.unreachable_since >= LEADER_LOST_S:
                 raise LeaderLost(str(exc)) from None
             return
-        if failure is not None and failure.get("node") != self.node:
+        lost_here = failure is not None and failure.get("cause") == "node lost"  # judged lost: tear down too
+        if failure is not None and (failure.get("node") != self.node or lost_here):
             self.remote_failure = failure
 
     def _lost_node(self, now: float) -> dict[str, Any] | None:
@@ -165,9 +171,9 @@ class NodeWorld(LocalWorld):
             pass
 
     def teardown(self, failed: bool = False) -> float:
-        """This node's tree only: the run-id sweep would also find other nodes' ranks on a shared host."""
+        """This node's tree only: the sweep matches (run id, node), not other nodes' ranks on a shared host."""
         process = self._process()
-        seconds = process.teardown(self.spec.grace_period, f"{self.run_id}\0node-{self.node}", failed)
+        seconds = process.teardown(self.spec.grace_period, self.run_id, failed, node=self.node)
         self._link_rank_logs()
         self._stop_rank_output()
         return seconds

@@ -120,6 +120,11 @@ class Recovery:
         if self.resume is not None:
             self.resume.resharded = True
 
+    def batch_changed(self) -> None:
+        """The watched attempt runs another global batch (a node came or went): its losses are not comparable."""
+        if self.resume is not None:
+            self.resume.original, self.resume.missing = {}, set()
+
     def diverged(self) -> bool:
         return self.resume is not None and self.resume.diverged_early
 
@@ -210,6 +215,8 @@ def relaunch_parts(launched: float, first_step: float | None, restored: list[dic
         parts.update(startup_s=restore_start - launched, restore_s=restore_s,
                      first_step_s=(first_step - float(event["time"])) if first_step else None)
         marks = {**(event.get("startup") or {}), "restore_start": restore_start}
+        if isinstance(marks.get("process"), (int, float)):  # a process's start time reads up to ~1 s early
+            marks["process"] = max(marks["process"], launched)  # (a warm standby spawns within that)
         previous = launched
         for milestone, part in STARTUP_PARTS:
             if isinstance(marks.get(milestone), (int, float)) and previous <= marks[milestone] <= restore_start:

@@ -23,6 +23,7 @@ import psutil
 from filelock import FileLock, Timeout
 
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
+from ckptrun.cli.store_location import redact_argv
 from ckptrun.cli.supervision.spec import RUN_JSON
 from ckptrun.runtime import records
 
@@ -122,7 +123,7 @@ class RunLock:
         if stale is not None:
             self.took_over = stale
         me = psutil.Process()
-        info = {"pid": me.pid, "start_time": me.create_time(), "argv": sys.argv, "time": time.time(),
+        info = {"pid": me.pid, "start_time": me.create_time(), "argv": redact_argv(sys.argv), "time": time.time(),
                 "host": socket.gethostname()}
         tmp = self.paths.holder_file.with_name(f".{HOLDER_NAME}.tmp")
         tmp.write_text(json.dumps(info))

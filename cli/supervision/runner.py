@@ -69,7 +69,7 @@ def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False, *, estim
         spec.run_dir, spec.ckpt_dir = run_dir.resolve(), ckpt_dir.resolve()
         record = RunRecord(run_id=f"{name}-{uuid.uuid4().hex[:6]}", argv=argv, spec=spec)
         write_run_record(run_dir, record)
-        records.log_event(run_dir, "launch", run_id=record.run_id, argv=argv, spec=spec.model_dump(mode="json"))
+        records.log_event(run_dir, "launch", run_id=record.run_id, argv=record.argv, spec=spec.model_dump(mode="json"))
         _took_over(lock)
         return supervise_run(record, paths, first_attempt=1, resume=None, as_json=as_json, estimator=estimator)
 
@@ -147,7 +147,7 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
         first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(run_dir, "attempt_start")), default=0)
         records.log_event(run_dir, "resume", attempt=first, snapshot=str(snapshot.path) if snapshot else None,
                           snapshot_step=snapshot.step if snapshot else None,
-                          argv=argv, forked=bool(source), script_args=overrides.get("script_args"))
+                          argv=store_location.redact_argv(argv), forked=bool(source), script_args=overrides.get("script_args"))
         _took_over(lock)
         return supervise_run(record, paths, first_attempt=first, resume=snapshot, as_json=as_json, estimator=estimator)
 

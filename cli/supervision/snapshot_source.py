@@ -8,6 +8,12 @@ local directory with every object hashed (:mod:`ckptrun.runtime.tiering`); a
 local directory. A snapshot the workers could not load is skipped on the
 store too (by its manifest digest), and a fork — a resumed attempt that
 diverged — writes the store's fork marker instead of moving directories.
+
+A store that fails after the retries is not an empty store: :meth:`newest`
+raises :class:`SnapshotUnavailable` and the supervisor ends the run
+resumably (exit 3) instead of restarting from step 0 off the line. The step
+alone (:meth:`newest_step`, for a stop's report or the memory tier's floor)
+comes from the listing and the manifests, without downloading anything.
 Importable without torch.
 """
 
@@ -22,17 +28,21 @@ from ckptrun.runtime import store
 from ckptrun.runtime.manifest import ManifestError, read_manifest
 from ckptrun.runtime.remote_store import FsspecStore
 from ckptrun.runtime.store_backend import manifest_digest
-from ckptrun.runtime.tiering import choose
-from ckptrun.runtime.transfer import describe
+from ckptrun.runtime.tiering import choose, listed_candidates
+from ckptrun.runtime.transfer import Retry, describe
 from ckptrun.runtime.verify import newest_verified
+
+
+class SnapshotUnavailable(RuntimeError):
+    """The snapshot store failed after retries: the newest snapshot is unknown, not absent."""
 
 
 class SnapshotSource:
     """The supervisor's choice of snapshot, and what it does to one that failed."""
 
     def __init__(self, ckpt_dir: Path, remote: FsspecStore | None, say: Callable[[str], None],
-                 event: Callable[..., None]) -> None:
-        self.ckpt_dir, self.remote, self.say, self.event = ckpt_dir, remote, say, event
+                 event: Callable[..., None], retry: Retry = Retry()) -> None:
+        self.ckpt_dir, self.remote, self.say, self.event, self.retry = ckpt_dir, remote, say, event, retry
         self.refused: set[str] = set()  # manifest digests of snapshots that did not load
 
     def newest(self) -> Snapshot | None:
@@ -41,14 +51,31 @@ class SnapshotSource:
             report = newest_verified(self.ckpt_dir, log=self.say)
             return Snapshot(report.path, report.step, time.monotonic() - started) if report else None
         try:
-            choice = choose(self.remote, self.ckpt_dir, self.say, self.refused)
-        except Exception as exc:  # noqa: BLE001 - the store is unreachable after retries: nothing to restore from now
-            self.say(f"cannot list {self.remote.where}: {describe(exc)}")
-            return None
+            choice = choose(self.remote, self.ckpt_dir, self.say, self.refused, self.retry)
+        except Exception as exc:  # noqa: BLE001 - listing or downloading failed after retries: unknown, not none
+            raise self._unavailable(exc) from exc
         if choice is None:
             return None
         self.event("restore_source", **choice.event_fields())
         return Snapshot(choice.path, choice.step, time.monotonic() - started)
+
+    def newest_step(self) -> int | None:
+        """The step :meth:`newest` would restore, from the store's listing and manifests (nothing downloaded);
+        locally, the newest verified snapshot's."""
+        if self.remote is None:
+            report = newest_verified(self.ckpt_dir, log=self.say)
+            return report.step if report else None
+        try:
+            candidates, _ = listed_candidates(self.remote, self.refused, self.retry, self.say)
+        except Exception as exc:  # noqa: BLE001 - see newest()
+            raise self._unavailable(exc) from exc
+        return candidates[0].step if candidates else None
+
+    def _unavailable(self, exc: BaseException) -> SnapshotUnavailable:
+        self.say(f"the store failed: {describe(exc)}")
+        self.event("store_unavailable", store=self.remote.where, error=describe(exc))  # type: ignore[union-attr]
+        return SnapshotUnavailable(f"the object store {self.remote.where} failed after retries "  # type: ignore[union-attr]
+                                   f"({describe(exc)}): the newest snapshot is unknown")
 
     def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
         digest = _digest(snapshot)

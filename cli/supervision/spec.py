@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ckptrun.cli import durations, store_location
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
+from ckptrun.runtime.ckpt_url import merge_options
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.faults import FaultSpecError, parse_faults
 
@@ -47,7 +48,7 @@ def parse_duration(value: Any) -> Any:
 # launch option (a ``--config`` key, and a flag where ``launch`` declares one): declared once, in RunEnv.
 NOT_OPTIONS = frozenset({
     "run_id", "run_dir", "ckpt_dir", "attempt", "supervised", "supervisor_pid", "supervisor_start_time",
-    "resume_from", "save_interval_cap_seconds", "memory_dir",  # the world's, per attempt
+    "resume_from", "save_interval_cap_seconds", "memory_dir", "node",  # the world's, per attempt
     "save_every_auto", "mtbf_seconds", "heartbeat_interval", "fault",  # from save_every, mtbf, heartbeat_timeout, inject_fault
     "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
     "ckpt_url", "local_cache", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option (store_location)
@@ -219,7 +220,7 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
         The run's location, attempt and supervisor facts are the world's to add."""
         same = {name: getattr(self, name) for name in RunEnv.model_fields
                 if name in type(self).model_fields and name not in ("run_dir", "ckpt_dir")}
-        return {**same, **store_location.worker_fields(self.store_url, self.cache_dir, {**self.store_options, **self.store_secrets}),
+        return {**same, **store_location.worker_fields(self.store_url, self.cache_dir, merge_options(self.store_options, self.store_secrets)),
                 "fault": self.inject_fault, "mtbf_seconds": self.mtbf,
                 "save_every_auto": self.save_every == "auto", "heartbeat_interval": self.heartbeat_interval}
 
@@ -283,6 +284,12 @@ class RunRecord(BaseModel):
     created: float = Field(default_factory=time.time)
     argv: list[str] = Field(default_factory=list, description="The command line that created the run.")
     spec: LaunchSpec
+
+    @field_validator("argv")
+    @classmethod
+    def _no_credentials(cls, value: list[str]) -> list[str]:
+        """--storage-option values may be credentials: never written (whoever built the record)."""
+        return store_location.redact_argv(value)
 
 
 def write_run_record(run_dir: Path, record: RunRecord) -> None:

@@ -27,6 +27,7 @@ from ckptrun.cli.supervision.observation import AttemptWatch, Observation, Outco
 from ckptrun.cli.supervision.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect,
                                             stale_ranks, waiting_on_peers)
 from ckptrun.cli.supervision.recovery import Recovery, RecoveryOptions, relaunch_parts
+from ckptrun.cli.supervision.snapshot_source import SnapshotUnavailable
 from ckptrun.runtime.faults import parse_faults
 
 STEP_FAULTS = ("kill", "hang", "exit")  # what the bootstrap's step hook fires in a plain script; the rest need the runtime
@@ -65,7 +66,10 @@ class Supervisor:
             verdict = self.policy.verdict(self._facts(watch, set_aside))
             if isinstance(verdict, GiveUp):
                 return self._give_up(watch, verdict)
-            snapshot = self._prepare_restart(watch, verdict)
+            try:
+                snapshot = self._prepare_restart(watch, verdict)
+            except SnapshotUnavailable as exc:  # unknown is not none: never restart from step 0 off the line
+                return self._store_failed(watch, str(exc))
             if snapshot is False:
                 return self._stopped(watch)
             attempt, resume = attempt + 1, snapshot or None
@@ -133,6 +137,8 @@ class Supervisor:
             watch.reshard_checked = True
             if self.world.attempt_events("resharded"):
                 recovery.resharded()
+            if self.world.attempt_events("global_batch_changed"):
+                recovery.batch_changed()
         recovery.note(obs.steps, obs.snapshot_step)
         if recovery.wants_estimate(watch.attempt, obs.snapshot_step, self.pending_restart is not None):
             self.world.request_estimate(self.policy.delay(self.restarts + 1))
@@ -272,10 +278,11 @@ class Supervisor:
         snapshot = self.world.restart_snapshot()  # the newest durable one, or a newer one of the memory tier
         if not self._wait(verdict.delay):
             return False
-        lost = (watch.last_step - (snapshot.step if snapshot else 0)) if watch.last_step is not None else None
+        failure = watch.failure or {}
+        reached = max((s for s in (watch.last_step, failure.get("step")) if s is not None), default=None)
+        lost = (reached - (snapshot.step if snapshot else 0)) if reached is not None else None  # as the failure says
         self.recovery.note(self.world.late_steps(), None)  # records read while the attempt ended
         self.recovery.restarting(snapshot.step if snapshot else None)
-        failure = watch.failure or {}
         self.pending_restart = {
             "attempt": watch.attempt + 1, "restarts": self.restarts, "cause": failure.get("cause"),
             "snapshot": str(snapshot.path) if snapshot else None, "snapshot_step": snapshot.step if snapshot else None,
@@ -339,16 +346,27 @@ class Supervisor:
         if self.plain:
             return self._plain_stopped(watch)
         stopped = self.world.attempt_events("stopped")
-        snapshot = self.world.newest_snapshot()
+        try:
+            step = self.world.newest_step()  # from a store's listing: a stop does not download the snapshot
+        except SnapshotUnavailable as exc:
+            return self._store_failed(watch, str(exc), stopping=True)
         attempts = watch.attempt - self.first_attempt + 1
         self.world.event("run_stopped", attempt=watch.attempt, forced=watch.forced,
-                         step=stopped[-1].get("step") if stopped else watch.last_step,
-                         snapshot_step=snapshot.step if snapshot else None)
-        if snapshot is None:
+                         step=stopped[-1].get("step") if stopped else watch.last_step, snapshot_step=step)
+        if step is None:
             return Outcome(EXIT_NO, "stopped before any verified snapshot existed; nothing to resume",
                            "launch the run again (add --save-every-steps to save sooner)", attempts, self.restarts)
-        return Outcome(EXIT_STOPPED, f"stopped; newest verified snapshot: step {snapshot.step}",
+        return Outcome(EXIT_STOPPED, f"stopped; newest verified snapshot: step {step}",
                        "continue with `ckptrun resume --latest`", attempts, self.restarts)
+
+    def _store_failed(self, watch: AttemptWatch, reason: str, stopping: bool = False) -> Outcome:
+        """The snapshot store failed after retries: end resumably (exit 3), whatever was saved is kept."""
+        self.world.event("run_stopped" if stopping else "gave_up", attempt=watch.attempt, exit_code=EXIT_STOPPED,
+                         reason=reason, restarts=self.restarts, forced=watch.forced)
+        return Outcome(EXIT_STOPPED, f"{'stopped' if stopping else 'cannot restart'}: {reason}",
+                       "once the store answers again, continue with `ckptrun resume --latest` (pass the credentials "
+                       "again with --storage-option if the run took them from there)",
+                       watch.attempt - self.first_attempt + 1, self.restarts)
 
     def _plain_stopped(self, watch: AttemptWatch) -> Outcome:
         """A plain script was sent SIGTERM: resumable only if it exited cleanly (then it saved what it saves)."""

@@ -250,9 +250,19 @@ class LocalWorld:
     def newest_snapshot(self) -> Snapshot | None:
         return self.source.newest()
 
+    def newest_step(self) -> int | None:
+        """The newest durable snapshot's step, without downloading it from a store (a stop's report)."""
+        return self.source.newest_step()
+
     def restart_snapshot(self) -> Snapshot | None:
-        """What a restart resumes from: the memory tier's newest snapshot when it is newer and usable, else durable."""
-        return self.memory.choose(self.newest_snapshot(), self.ckpt_dir, self.run_id, self.event, self.say)
+        """What a restart resumes from: the memory tier's newest snapshot when it is newer and usable, else durable.
+        With a store, the durable one is downloaded only when memory does not win (its step is in the listing)."""
+        if self.memory.path is None or self.source.remote is None:
+            return self.memory.choose(self.newest_snapshot(), self.ckpt_dir, self.run_id, self.event, self.say)
+        step = self.source.newest_step()
+        listed = Snapshot(self.ckpt_dir / f"step {step} on {self.source.remote.where}", step) if step is not None else None
+        chosen = self.memory.choose(listed, self.ckpt_dir, self.run_id, self.event, self.say)
+        return chosen if chosen is not listed else self.newest_snapshot()
 
     def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
         return self.source.quarantine(snapshot, status, reason)

@@ -1,0 +1,236 @@
+"""Object-store logic without a server or torch: fsspec's memory:// store, snapshots built by snapshot_factory.
+
+The store failures are injected at the store's edge (a listing or a read that raises, as an outage does);
+everything above it — choosing, the supervisor's verdict, retention, lineage — is the real code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from snapshot_factory import make_snapshot
+from supervisor_helpers import T0, ScriptedWorld, supervisor, training
+
+from ckptrun.cli.errors import CkptrunError
+from ckptrun.cli.store_location import redact_argv, resume_options
+from ckptrun.cli.supervision.memory_tier import MemoryDir
+from ckptrun.cli.supervision.observation import Snapshot
+from ckptrun.cli.supervision.rundir import RunLock, RunPaths
+from ckptrun.cli.supervision.snapshot_source import SnapshotSource, SnapshotUnavailable
+from ckptrun.cli.supervision.spec import RunRecord, build_spec
+from ckptrun.cli.supervision.world import LocalWorld
+from ckptrun.runtime.ckpt_url import StoreUrl
+from ckptrun.runtime.policies import Retention
+from ckptrun.runtime.remote_store import FsspecStore, ManifestUnreadable
+from ckptrun.runtime.retention import apply_remote_retention
+from ckptrun.runtime.store import snapshot_name
+from ckptrun.runtime.store_backend import LocalStore
+from ckptrun.runtime.tiering import choose
+from ckptrun.runtime.transfer import Retry, StoreUnavailable, copy_snapshot
+
+ONCE = Retry(attempts=1)
+SECRET = "S3CRET-do-not-write"
+
+
+class OutageStore(FsspecStore):
+    """A memory:// store that can go down: listings fail, or reads of some prefixes fail."""
+
+    listing_down = False
+    reads_down: tuple[str, ...] = ()  # prefix names whose objects cannot be read ("" = all)
+
+    def prefixes(self):
+        if self.listing_down:
+            raise ConnectionError("could not connect to the endpoint")
+        return super().prefixes()
+
+    def open_read(self, name, relpath):
+        if any(name.startswith(p) for p in self.reads_down):
+            raise ConnectionError(f"read timeout on {name}/{relpath}")
+        return super().open_read(name, relpath)
+
+
+def memory_store(kind: type[FsspecStore] = OutageStore) -> FsspecStore:
+    return kind(StoreUrl("memory", f"bucket-{uuid.uuid4().hex[:8]}/ckpt"))
+
+
+def upload(tmp: Path, remote: FsspecStore, steps: list[int]) -> None:
+    """Snapshots of one lineage, each the parent of the next, committed on ``remote``."""
+    local, parent = tmp / "writer", None
+    for step in steps:
+        make_snapshot(local, step, parent=parent)
+        parent = snapshot_name(step)
+    source = LocalStore(local)
+    for item in source.published():
+        copy_snapshot(source, item, remote, ONCE)
+
+
+# --- finding 14: memory:// lists what it holds ------------------------------------------------------
+
+
+def test_a_memory_store_lists_its_snapshots_and_line(tmp_path):
+    remote = memory_store(FsspecStore)
+    upload(tmp_path, remote, [5, 10])
+    assert [p.step for p in remote.prefixes()] == [5, 10] and all(p.committed for p in remote.prefixes())
+    assert [p.step for p in remote.line()] == [5, 10]
+
+
+# --- finding 1: an outage is not "no snapshot" ----------------------------------------------------
+
+
+def test_a_store_that_cannot_be_listed_is_unavailable_not_empty(tmp_path):
+    remote = memory_store()
+    upload(tmp_path, remote, [5])
+    remote.listing_down = True
+    source = SnapshotSource(tmp_path / "cache", remote, lambda _: None, lambda *a, **k: None, ONCE)
+    with pytest.raises(SnapshotUnavailable, match="newest snapshot is unknown"):
+        source.newest()
+    with pytest.raises(SnapshotUnavailable):
+        source.newest_step()
+
+
+def test_a_failed_download_stops_instead_of_falling_back_to_an_older_snapshot(tmp_path):
+    remote = memory_store()
+    upload(tmp_path, remote, [5, 10])
+    remote.reads_down = ("step-000000010",)
+    with pytest.raises(StoreUnavailable, match="downloading .*step-000000010"):
+        choose(remote, tmp_path / "cache", retry=ONCE)
+    assert not LocalStore(tmp_path / "cache").published()  # step 5 was not restored instead
+
+
+def test_a_manifest_the_store_fails_to_return_is_unknown_not_absent(tmp_path, monkeypatch):
+    remote = memory_store()
+    upload(tmp_path, remote, [5, 10])
+
+    def down(path, *args, **kwargs):
+        raise ConnectionError("throttled")
+
+    monkeypatch.setattr(remote.fs, "cat_file", down)
+    with pytest.raises(ManifestUnreadable):
+        remote.published()
+
+
+class StoreWorld(ScriptedWorld):
+    """A scripted world whose snapshots come from a real :class:`SnapshotSource`."""
+
+    source: SnapshotSource
+
+    def newest_snapshot(self):
+        return self.source.newest()
+
+    restart_snapshot = newest_snapshot
+
+    def newest_step(self):
+        return self.source.newest_step()
+
+
+def store_world(tmp_path: Path, script: dict, **kw) -> tuple[StoreWorld, OutageStore]:
+    remote = memory_store()
+    upload(tmp_path, remote, [5, 10])
+    world = StoreWorld(script, **kw)
+    world.source = SnapshotSource(tmp_path / "cache", remote, world.say, world.event, ONCE)
+    return world, remote  # type: ignore[return-value]
+
+
+def test_a_restart_during_an_outage_ends_resumably_instead_of_restarting_from_step_0(tmp_path):
+    world, remote = store_world(tmp_path, {1: [training(T0 + 4, 12), training(T0 + 5, 12, agent_exit=1)]})
+    remote.listing_down = True
+    outcome = supervisor(world).supervise()
+    assert outcome.code == 3 and "resume --latest" in (outcome.hint or "")
+    assert world.launches == [(1, None)]  # no attempt 2 from nothing
+    [gave_up] = world.events("gave_up")
+    assert gave_up["exit_code"] == 3 and world.events("store_unavailable")
+
+
+def stopped_world(tmp_path: Path) -> tuple[StoreWorld, OutageStore]:
+    return store_world(tmp_path, {1: [training(T0 + 4, 8), training(T0 + 5, 9), training(T0 + 6, 9, agent_exit=1)]},
+                       events_by_attempt={1: {"stopped": [{"step": 9}]}}, stop_signal_after=(1, 0))
+
+
+def test_a_stop_reports_the_stores_newest_step_without_downloading_it(tmp_path):
+    world, remote = stopped_world(tmp_path)
+    remote.reads_down = ("",)  # any download would fail
+    outcome = supervisor(world).supervise()
+    assert outcome.code == 3 and "step 10" in outcome.message
+
+
+def test_a_stop_during_an_outage_is_resumable_not_nothing_to_resume(tmp_path):
+    world, remote = stopped_world(tmp_path)
+    remote.listing_down = True
+    outcome = supervisor(world).supervise()
+    assert outcome.code == 3 and "unknown" in outcome.message  # not exit 1 "nothing to resume"
+
+
+# --- finding 10: the memory tier's restart downloads only when it is used --------------------------
+
+
+@pytest.mark.parametrize("memory_step", [12, 3])
+def test_the_memory_tier_uses_the_listed_step_and_downloads_only_when_durable_wins(tmp_path, memory_step):
+    remote = memory_store()
+    upload(tmp_path, remote, [5, 10])
+    remote.reads_down = ("",)
+    memory = tmp_path / "shm"
+    make_snapshot(memory, memory_step, run_id="r")
+    events: list[str] = []
+    world = LocalWorld.__new__(LocalWorld)  # the restart choice only: no processes, no run dir
+    world.memory, world.ckpt_dir, world.run_id = MemoryDir(memory), tmp_path / "cache", "r"
+    world.event, world.say = (lambda name, **_: events.append(name)), (lambda _: None)
+    world.source = SnapshotSource(world.ckpt_dir, remote, world.say, world.event, ONCE)
+    if memory_step > 10:
+        chosen = world.restart_snapshot()
+        assert isinstance(chosen, Snapshot) and chosen.step == 12  # nothing was downloaded (reads are down)
+    else:
+        with pytest.raises(SnapshotUnavailable, match="downloading"):  # durable step 10 wins: it is fetched
+            world.restart_snapshot()
+
+
+# --- finding 7: retention's gaps do not end the line ---------------------------------------------
+
+
+def test_keep_every_deletes_between_milestones_and_the_line_still_reaches_them(tmp_path):
+    remote = memory_store(FsspecStore)
+    upload(tmp_path, remote, [5, 10, 15, 20, 25])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert apply_remote_retention(remote, Retention(keep_last=2, keep_every=10), run_dir) == [5, 15]
+    assert [p.step for p in remote.line()] == [10, 20, 25]  # 20's parent (15) is gone; 10 stays on the line
+    assert apply_remote_retention(remote, Retention(keep_last=2, keep_every=10), run_dir) == []
+
+
+# --- findings 2 and 13: credentials given with --storage-option are never written -----------------
+
+
+def test_storage_option_values_are_redacted_in_either_form():
+    argv = ["ckptrun", "launch", "--storage-option", f"secret={SECRET}", f"--storage-option=key={SECRET}",
+            "--storage-option", SECRET, "train.py", "--", "--lr", "3"]
+    shown = redact_argv(argv)
+    assert SECRET not in json.dumps(shown) and "secret=<redacted>" in shown and "--storage-option=key=<redacted>" in shown
+    assert shown[-3:] == ["--", "--lr", "3"] and len(shown) == len(argv)
+
+
+def test_nested_credentials_stay_out_of_run_json_and_reach_the_workers(tmp_path, monkeypatch):
+    items = [f"client_kwargs.aws_secret_access_key={SECRET}", "client_kwargs.region_name=eu-west-1",
+             "endpoint_url=http://minio:9000"]
+    spec = build_spec({"ckpt_dir": "memory://bucket/x", "store_options": items})
+    assert spec.store_options == {"client_kwargs": {"region_name": "eu-west-1"}, "endpoint_url": "http://minio:9000"}
+    workers = json.loads(spec.worker_policy()["storage_options"])
+    assert workers["client_kwargs"] == {"region_name": "eu-west-1", "aws_secret_access_key": SECRET}
+    record = RunRecord(run_id="r", argv=["ckptrun", "launch", "--storage-option", items[0]], spec=spec)
+    assert SECRET not in record.model_dump_json()
+    monkeypatch.setattr(sys, "argv", ["ckptrun", "launch", f"--storage-option=secret={SECRET}"])
+    paths = RunPaths(tmp_path / "run")
+    with RunLock(paths):
+        assert SECRET not in paths.holder_file.read_text()
+
+
+def test_resume_takes_storage_options_over_the_stored_ones_and_keeps_credentials_apart():
+    spec = build_spec({"ckpt_dir": "memory://bucket/x", "store_options": ["endpoint_url=http://minio:9000"]})
+    options = resume_options(spec, [f"secret={SECRET}", "client_kwargs.region_name=eu"])
+    resumed = build_spec({**spec.model_dump(), "store_options": options})
+    assert resumed.store_options == {"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu"}}
+    assert resumed.store_secrets == {"secret": SECRET} and SECRET not in resumed.model_dump_json()
+    with pytest.raises(CkptrunError, match="object-store"):
+        resume_options(build_spec({}), ["secret=x"])
