@@ -12,8 +12,8 @@ Per repeat, interleaved, on the same model + AdamW state in this process
   PROCESS mode, and background staging (whose stall includes the wait for the
   staging future, before the weights may change again);
 * while each save persists, a small training loop (the template's model) keeps
-  stepping in this process: its median step time ÷ its median step time just
-  before, alone, is the ``*train_slowdown_during_persist`` figure; the time
+  stepping in this process: its median step time ÷ its median step time alone
+  just before and just after, is the ``*train_slowdown_during_persist`` figure; the time
   from the call's return until the snapshot is published is ``*persist_s``;
 * ``persist_idle_s`` — ckptrun's persist with nothing running alongside.
 """
@@ -150,12 +150,15 @@ def _variants(state: BigState, scratch: Path) -> tuple[list[Variant], dict[str, 
 
 def _trial(variant: Variant, loop: ProbeLoop, alone_s: float) -> Callable[[], dict[str, float]]:
     def run() -> dict[str, float]:
-        alone = statistics.median(loop.for_seconds(alone_s))
+        before = loop.for_seconds(alone_s)
         stall, done, done_at = variant.start()
         returned = time.perf_counter()
         during = loop.until(done)
         persist = done_at() - returned
         variant.cleanup()
+        # the baseline brackets the save (steps alone just before and just after it), so a load that
+        # drifts during the trial (other processes on a shared machine) moves both sides alike
+        alone = statistics.median(before + loop.for_seconds(alone_s / 2))
         return {f"{variant.name}.stall": stall, f"{variant.name}.persist": persist,
                 f"{variant.name}.slowdown": statistics.median(during) / alone, f"{variant.name}.alone": alone}
 
@@ -207,7 +210,7 @@ NOTES = {
     "dcp_async_block_process_s": "AsyncCheckpointerType.PROCESS (daemon started by a warm-up save)",
     "dcp_async_stall_bgstaging_s": "DefaultStager(use_async_staging=True): call + wait for staging_completion",
     "persist_s": "call returned -> published (sha256 while writing, fsync, manifest, rename), loop stepping alongside",
-    "train_slowdown_during_persist": "median step of a ~0.9M-param loop while persisting / just before, alone",
+    "train_slowdown_during_persist": "median step of a ~0.9M-param loop while persisting / alone, just before and after",
 }
 
 

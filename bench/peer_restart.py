@@ -12,8 +12,10 @@ the job then completes (launcher exit 0, both ranks at the last step) within
 
 * ckptrun: ``ckptrun launch --max-restarts 1`` (its own restart loop; the
   supervisor verifies the snapshot and names it; the restart goes through
-  the warm standby agent). ``ckptrun-cold`` (only with ``--only``): the same
-  with ``--no-standby``, a new agent process per attempt.
+  the warm standby agent, whose ranks are forked past ``import torch``: warm
+  workers). Only with ``--only``: ``ckptrun-spawn`` (``--no-warm-workers``: the
+  standby, each rank a new interpreter) and ``ckptrun-cold``
+  (``--no-standby --no-warm-workers``: a new agent and new interpreters).
 * ft_launcher (pip ``nvidia-resiliency-ext``, the ``bench`` extra):
   ``--standalone --max-restarts 1``; with c10d rendezvous it hands each round
   a fresh store (``TORCHELASTIC_USE_AGENT_STORE=False``) by itself.
@@ -53,7 +55,8 @@ JOB = HERE / "peer_job.py"
 BIN = Path(sys.executable).parent
 MARK = "PEER_RESTART_BENCH_RUN"  # not a CKPTRUN_ name (ckptrun strips those): every process of one run carries it, for the last sweep
 MODES = {"quick": 1, "full": 5}
-LAUNCHERS = ("ckptrun", "ckptrun-cold", "ft_launcher", "torchrun")  # ckptrun-cold: --no-standby, only when asked
+LAUNCHERS = ("ckptrun", "ckptrun-spawn", "ckptrun-cold", "ft_launcher", "torchrun")  # -spawn, -cold: only when asked
+CKPTRUN_VARIANTS = {"ckptrun": [], "ckptrun-spawn": ["--no-warm-workers"], "ckptrun-cold": ["--no-standby", "--no-warm-workers"]}
 DEFAULT = ("ckptrun", "ft_launcher", "torchrun")
 GOAL = 1.0
 
@@ -80,7 +83,7 @@ def command(launcher: str, args: argparse.Namespace, work: Path, step_log: Path)
     """The command line and extra environment of one run under ``launcher``."""
     job = job_args(args, step_log)
     if launcher.startswith("ckptrun"):
-        cold = ["--no-standby"] if launcher == "ckptrun-cold" else []
+        cold = CKPTRUN_VARIANTS[launcher]
         return ([sys.executable, "-m", "ckptrun.cli.main", "launch", "--nproc-per-node", "2", "--threads", "1",
                  "--save-every-steps", "5", "--max-restarts", "1", "--run-dir", str(work / "run"), "--name", work.name,
                  "--ranks-output", "none", *cold, *args.ckptrun_flags, *job], {})
@@ -234,7 +237,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                          "succeeded": sum(r["ok"] for r in results), "runs": len(results), "samples": samples,
                          "spawned_median_s": statistics.median(spawned) if spawned else None}
     ours = summary.get("ckptrun", {}).get("median_s")
-    for peer in ("ckptrun-cold", "ft_launcher", "torchrun"):
+    for peer in ("ckptrun-spawn", "ckptrun-cold", "ft_launcher", "torchrun"):
         theirs = summary.get(peer, {}).get("median_s")
         summary[f"ckptrun / {peer}"] = ours / theirs if ours and theirs else None
     return summary
@@ -256,10 +259,10 @@ def report(results: dict[str, Any]) -> None:
                   f"{s['succeeded']}/{s['runs']:<9}  {fmt(s['spawned_median_s'])}")
     print("(new rank 0 process: its psutil start time after the kill, the part a launcher controls; a common offset "
           "of up to 1 s, since the boot time psutil adds is whole seconds)")
-    for peer in ("ckptrun-cold", "ft_launcher", "torchrun"):
+    for peer in ("ckptrun-spawn", "ckptrun-cold", "ft_launcher", "torchrun"):
         ratio = summary.get(f"ckptrun / {peer}")
         if ratio is not None:
-            verdict = "" if peer == "ckptrun-cold" else f"  (goal ≤ {GOAL:.1f}×: {'PASS' if ratio <= GOAL else 'MISS'})"
+            verdict = "" if peer.startswith("ckptrun") else f"  (goal ≤ {GOAL:.1f}×: {'PASS' if ratio <= GOAL else 'MISS'})"
             print(f"ckptrun ÷ {peer:12} {ratio:.2f}×{verdict}")
 
 

@@ -1,10 +1,14 @@
-"""Restoring the state: ckptrun (one verification + the safe loader) against ``torch.load``.
+"""Restoring the state: ckptrun (what a restart does, every byte verified once) against ``torch.load``.
 
 Same state, same world size (1), same cache state, interleaved per repeat:
 
-* ``restore_s`` — ``verify_snapshot`` (every file hashed against the manifest,
-  sha256) then ``snapshot.load`` (restricted DCP reader, weights-only
-  ``torch.load`` of the RNG file, JSON), files evicted from the page cache first;
+* ``restore_s`` — what a restart runs: the pre-relaunch check
+  (``verify_snapshot(at_load=True)``: manifest and sizes, since the snapshot is
+  chunked) then ``snapshot.load``, which reads each byte once and checks it
+  against its chunk digest (sha256) as it is read (restricted DCP reader,
+  weights-only ``torch.load``, JSON), files evicted from the page cache first;
+* ``restore_full_verify_s`` — a full ``verify_snapshot`` (every file hashed, what
+  ``ckptrun verify`` runs) then the same load, which hashes again: the old path's cost plus one hash;
 * ``torch_load_s`` — ``torch.load(weights_only=True)`` of the same state, evicted;
 * ``*_cached_s`` — both again with every file read once beforehand;
 * ``restore_blake3_s`` / ``restore_blake3_cached_s`` — a blake3 snapshot.
@@ -23,12 +27,12 @@ from common import CACHED, EVICTED, Figure, evict, interleave, warm
 from snapshots import Snapshots
 
 
-def restore_once(path: Path) -> float:
+def restore_once(path: Path, full_verify: bool = False) -> float:
     from ckptrun.runtime import snapshot
     from ckptrun.runtime.verify import verify_snapshot
 
     started = time.perf_counter()
-    report = verify_snapshot(path)
+    report = verify_snapshot(path, at_load=not full_verify)
     if not report.ok:
         raise RuntimeError(f"{path} does not verify: {report.problems[:2]}")
     loaded = snapshot.load(path)
@@ -63,10 +67,14 @@ def measure(snaps: Snapshots, repeats: int) -> dict[str, Figure]:
         for algorithm, path in snaps.w1.items():
             name = "restore" if algorithm == "sha256" else f"restore_{algorithm}"
             trials[f"{name}{suffix}_s"] = _trial(f"{name}{suffix}_s", path, restore_once, cached)
+    trials["restore_full_verify_s"] = _trial("restore_full_verify_s", snaps.w1["sha256"],
+                                             lambda path: restore_once(path, full_verify=True), False)
     samples = interleave(repeats, trials)
     figures = {}
     for key, values in samples.items():
         hashed = "blake3" if "blake3" in key else "sha256"
-        note = "torch.load(weights_only=True)" if key.startswith("torch_load") else f"verify ({hashed}) + snapshot.load"
+        note = ("torch.load(weights_only=True)" if key.startswith("torch_load") else
+                f"full verify ({hashed}) + snapshot.load (hashing again)" if "full_verify" in key else
+                f"manifest and sizes + snapshot.load verifying each chunk ({hashed}) as read")
         figures[key] = Figure(values, "s", CACHED if "cached" in key else EVICTED, note=note)
     return figures

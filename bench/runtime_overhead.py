@@ -3,7 +3,9 @@
 Three views, measured in the same run:
 
 * **per-step runtime work** (``step_work.py``, 2 gloo ranks) — the loop a
-  template runs around a stand-in step of the template's median step time:
+  template runs around a stand-in step of the template's median step time,
+  sharing the step facts every N steps with the N the 2-rank template runs
+  chose (``decision_every_steps``, its ``decision_cadence`` event):
   everything between one step's compute and the next (``end_step``, the
   boundary and heartbeat of ``run.batches``, the data position), a mean per
   step, so a heartbeat written once a second counts for its share. A timed
@@ -53,8 +55,9 @@ def _job_env(run_dir: Path) -> dict[str, str]:
     return {**os.environ, **env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(THREADS)}
 
 
-def template_step(scratch: Path, steps: int, index: list[int], ranks: int = 1) -> float:
-    from ckptrun.runtime.records import read_metrics
+def template_step(scratch: Path, steps: int, index: list[int], ranks: int = 1, chosen: list[int] | None = None) -> float:
+    """The template's median step; ``chosen`` collects the N its ``decision_every_steps=auto`` chose."""
+    from ckptrun.runtime.records import read_events, read_metrics
 
     index[0] += 1
     run_dir = scratch / f"template-{index[0]}"
@@ -62,6 +65,8 @@ def template_step(scratch: Path, steps: int, index: list[int], ranks: int = 1) -
     command = [*launcher, "-m", "ckptrun.templates.default_job", "--steps", str(steps)]
     subprocess.run(command, env=_job_env(run_dir), check=True, capture_output=True, cwd=scratch)
     times = [m["step_time_s"] for m in read_metrics(run_dir) if m.get("step", 0) > WARMUP]
+    if chosen is not None:
+        chosen.extend([e["every_steps"] for e in read_events(run_dir, "decision_cadence")][-1:])  # the N it ended with
     return statistics.median(times)
 
 
@@ -102,10 +107,11 @@ def per_call_costs(run_dir: Path) -> dict[str, float]:
     return costs
 
 
-def step_work(scratch: Path, repeats: int, step_s: float, steps: int = 300) -> dict[str, list[float]]:
-    """The 2-rank per-step runtime work and its parts (step_work.py), per repeat."""
+def step_work(scratch: Path, repeats: int, step_s: float, steps: int = 300, every: str = "auto") -> dict[str, list[float]]:
+    """The 2-rank per-step runtime work and its parts (step_work.py), per repeat, sharing facts every ``every`` steps."""
     port = free_port()
     command = [sys.executable, str(HERE / "step_work.py"), "--port", str(port), "--world", "2", "--steps", str(steps),
+               "--decision-every", every,
                "--repeats", str(repeats), "--step-ms", f"{step_s * 1e3:.3f}", "--run-dir", str(scratch / "step-work")]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(THREADS)}
     procs = [subprocess.Popen([*command, "--rank", str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -115,7 +121,8 @@ def step_work(scratch: Path, repeats: int, step_s: float, steps: int = 300) -> d
         if proc.returncode != 0:
             raise RuntimeError(f"step_work.py failed ({proc.returncode}): {err.strip().splitlines()[-1] if err.strip() else ''}")
     report = json.loads(outputs[0][0].strip().splitlines()[-1])
-    samples = {"runtime_per_step_s": report["runtime_per_step_s"], "timed_per_step_s": report["timed_per_step_s"]}
+    samples = {"runtime_per_step_s": report["runtime_per_step_s"], "timed_per_step_s": report["timed_per_step_s"],
+               "decision_every_steps": [float(report["decision_every_steps"])] * len(report["runtime_per_step_s"])}
     samples.update({f"step_part_{part}_s": report["parts_s"][part] for part in PARTS})
     samples["step_part_other_s"] = [max(0.0, total - sum(report["parts_s"][p][r] for p in PARTS))
                                     for r, total in enumerate(report["timed_per_step_s"])]
@@ -124,15 +131,16 @@ def step_work(scratch: Path, repeats: int, step_s: float, steps: int = 300) -> d
 
 def measure(scratch: Path, repeats: int, steps: int, sync_all_reduce_s: list[float]) -> dict[str, Figure]:
     scratch.mkdir(parents=True, exist_ok=True)
-    index = [0]
+    index, chosen = [0], []
     ab = interleave(repeats, {
         "with": lambda: {"template_step_s": template_step(scratch, steps, index)},
         "without": lambda: {"plain_step_s": plain_step(scratch, steps)},
-        "with_w2": lambda: {"template_step_w2_s": template_step(scratch, steps, index, ranks=2)},
+        "with_w2": lambda: {"template_step_w2_s": template_step(scratch, steps, index, ranks=2, chosen=chosen)},
         "without_w2": lambda: {"plain_step_w2_s": plain_step(scratch, steps, ranks=2)},
     })
     calls = interleave(repeats, {"calls": lambda: per_call_costs(scratch / "records")})
-    work = step_work(scratch, repeats, statistics.median(ab["template_step_w2_s"]), steps=max(100, steps))
+    every = str(round(statistics.median(chosen))) if chosen else "auto"  # the N the 2-rank template ran with
+    work = step_work(scratch, repeats, statistics.median(ab["template_step_w2_s"]), steps=max(100, steps), every=every)
     figures = {key: Figure(values, "s", NA) for key, values in calls.items()}
     figures["metrics_write_s"].note = "one line to metrics.jsonl kept open (JsonlAppender)"
     figures["metrics_write_reopen_s"].note = "the same line with open + write + close per line (before issue 13)"
@@ -142,6 +150,8 @@ def measure(scratch: Path, repeats: int, steps: int, sync_all_reduce_s: list[flo
                                                note="synchronous all_reduce_sum of 4 floats, 2 gloo ranks: what each step waited for before issue 13")
     figures["runtime_per_step_s"] = Figure(work["runtime_per_step_s"], "s", NA, world_size=2,
                                            note="step_work.py: mean runtime time per step around a stand-in step of template_step_w2_s")
+    figures["decision_every_steps"] = Figure(work["decision_every_steps"], "x", NA, world_size=2,
+                                             note="N of step_work.py: the one decision_every_steps=auto chose in the 2-rank template runs")
     for part in (*PARTS, "other"):
         key = f"step_part_{part}_s"
         figures[key] = Figure(work[key], "s", NA, world_size=2, note=f"{part}: mean per step (timed pass)")

@@ -5,17 +5,20 @@ Each rank builds a real ``Run`` (``ckr.init``) with a tracked
 ``ckr.DataLoader`` and runs the loop a template runs — ``for batch in
 run.batches(loader, steps): <step>; run.end_step(loss)`` — where the step is
 ``--step-ms`` of busy compute with a small all-reduce inside, as DDP's
-(the template's median step, so the shared facts' all-reduce has as long to
-arrive as it has there, and the ranks stay in step as DDP keeps them). Everything between
+(the template's median step, so the shared facts' collective has as long to
+arrive as it has there, the ranks stay in step as DDP keeps them, and
+``decision_every_steps=auto`` picks the N it would there). Everything between
 the end of one step's compute and the start of the next is the runtime's
 (``end_step``, the boundary and heartbeat of ``run.batches``, the loader's
 cursor), except the data loader's own fetch, which is timed and left out.
 
 The work is counted in CPU seconds of the training thread (``thread_time``),
 so a rank preempted by another process on a shared machine does not inflate
-it, plus the CPU the shared facts' all-reduce costs gloo's worker thread in
-the background (measured apart: exchanges with the training thread asleep
-in between, process CPU minus thread CPU). Wall-clock medians are reported
+it, plus the CPU the shared facts' collective costs gloo's threads in the
+background (measured apart: exchanges of N steps' facts with the training
+thread asleep in between, process CPU minus thread CPU, less the same with
+no exchange — gloo's idle polling, which a job without ckptrun pays too —
+divided by N). Wall-clock medians are reported
 beside. Passes alternate: a plain one gives the total per step; a timed one
 wraps each part (the shared-facts exchange, the metrics line, the heartbeat,
 the stop check, the save bookkeeping, the anomaly check, the data position)
@@ -50,11 +53,13 @@ parser.add_argument("--steps", type=int, default=300, help="steps per pass")
 parser.add_argument("--repeats", type=int, default=5, help="plain + timed passes")
 parser.add_argument("--step-ms", type=float, default=12.0, help="the stand-in step's compute")
 parser.add_argument("--run-dir", type=Path, required=True)
+parser.add_argument("--decision-every", default="auto", help="the run's decision_every_steps (auto, or N: 1 is every step)")
 args = parser.parse_args()
 
 from ckptrun.runtime.env import RunEnv
 
-os.environ.update(RunEnv(run_id="bench-step-work", run_dir=args.run_dir, precision="fp32", threads=1).to_env())
+os.environ.update(RunEnv(run_id="bench-step-work", run_dir=args.run_dir, precision="fp32", threads=1,
+                         decision_every_steps=args.decision_every).to_env())
 init_world(args.rank, args.world, args.port)
 
 import torch
@@ -132,13 +137,27 @@ def one_pass(steps: int) -> tuple[float, float]:
 
 
 def background_cpu(exchanges: int) -> float:
-    """CPU seconds gloo's worker spends per exchange: process CPU minus this thread's, the thread asleep between."""
+    """CPU seconds gloo's threads spend per step on the shared facts: process CPU minus this thread's per exchange
+    of a batch of the run's N steps, the thread asleep between, divided by N (one exchange per N steps)."""
+    every = run.exchange.every
+    idle = _idle_cpu(exchanges)
     process, thread = time.process_time(), time.thread_time()
     for index in range(exchanges):
-        run.exchange.start(10**9 + index, 1.0, False, False, False)
+        for step in range(every):
+            run.exchange.add(10**9 + index * every + step, 1.0)
+        run.exchange.start(False, False, False)
         time.sleep(args.step_ms / 1000)
         run.exchange.take()
-    return ((time.process_time() - process) - (time.thread_time() - thread)) / exchanges
+    per_exchange = ((time.process_time() - process) - (time.thread_time() - thread)) / exchanges
+    return max(0.0, per_exchange - idle) / every
+
+
+def _idle_cpu(sleeps: int) -> float:
+    """Other threads' CPU per sleep of a step with no exchange (gloo's idle polling), left out of the exchange's."""
+    process, thread = time.process_time(), time.thread_time()
+    for _ in range(sleeps):
+        time.sleep(args.step_ms / 1000)
+    return ((time.process_time() - process) - (time.thread_time() - thread)) / sleeps
 
 
 # ----------------------------------------------------------------------------- the parts
@@ -157,9 +176,9 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 PARTS = {  # part: the leaf calls it is made of (none calls another)
-    "shared_facts": [(run.exchange, "start"), (run.exchange, "take")],
+    "shared_facts": [(run.exchange, "add"), (run.exchange, "start"), (run.exchange, "take")],
     "metrics_record": [(run, "_step_record")],
-    "metrics_write": [(run.metrics_log, "append")],
+    "metrics_write": [(run.metrics_log, "append_many")],
     "heartbeat": [(run.heart, "beat")],
     "stop_check": [(run, "_stop_requested")],
     "save_bookkeeping": [(run, "_settle_saves"), (run, "_time_to_save")],
@@ -197,5 +216,6 @@ for _ in range(args.repeats):
         parts[part].append(spent[part] / args.steps + (background[-1] if part == "shared_facts" else 0.0))
 if args.rank == 0:
     print(json.dumps({"runtime_per_step_s": totals, "runtime_wall_median_s": walls, "timed_per_step_s": timed_totals,
-                      "exchange_background_cpu_s": background, "parts_s": parts}), flush=True)
+                      "exchange_background_cpu_s": background, "parts_s": parts, "decision_every_steps": run.exchange.every}),
+          flush=True)
 run.finish()

@@ -44,9 +44,11 @@ _imports_runtime = False  # the script's code imports ckptrun.runtime (set when 
 
 
 def _uses_runtime() -> bool:
-    """Whether the script uses the runtime: its code imports it, or it loaded a runtime module this shim does not."""
-    return _imports_runtime or any(name.startswith("ckptrun.runtime.") and name not in _OWN_MODULES
-                                   and name != "ckptrun.runtime.bootstrap" for name in sys.modules)
+    """Whether the script uses the runtime: its code imports it, it called ``init()``, or it loaded a runtime
+    module this shim does not (a warm worker's agent may have loaded them all before: the first two tell)."""
+    return _imports_runtime or "init" in timeline.MARKS or any(
+        name.startswith("ckptrun.runtime.") and name not in _OWN_MODULES and name != "ckptrun.runtime.bootstrap"
+        for name in sys.modules)
 
 
 def names_runtime(code: CodeType) -> bool:
@@ -131,6 +133,8 @@ def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         sys.exit("usage: python -m ckptrun.runtime.bootstrap (SCRIPT | -m MODULE) [ARGS...]")
     timeline.mark("bootstrap")
+    if "torch" in sys.modules:  # a warm worker (warm_start.py): forked from an agent that imported it
+        timeline.mark("torch_imported")
     sys.meta_path.insert(0, step_hook.AfterImport("torch", lambda _: timeline.mark("torch_imported")))
     faulthandler.enable(all_threads=True)
     enable_stack_dumps()

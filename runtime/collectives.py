@@ -112,3 +112,34 @@ def start_sum(values: list[float]) -> PendingSum:
         return PendingSum([float(v) for v in values])
     tensor = torch.tensor(values, dtype=torch.float64, device=CPU)
     return PendingSum(values, tensor, dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
+
+
+class PendingRows:
+    """Every rank's row of floats, gathered in the background: ``result()`` waits for them (usually done by then)."""
+
+    def __init__(self, rows: list[list[float]], tensors: list[torch.Tensor] | None = None, work: Any = None) -> None:
+        self._rows, self._tensors, self._work = rows, tensors, work
+
+    def arrived(self) -> bool:
+        """Whether :meth:`result` would return at once."""
+        return self._work is None or self._work.is_completed()
+
+    def result(self) -> list[list[float]]:
+        """The rows in rank order."""
+        if self._work is not None:
+            self._work.wait()
+            self._rows, self._tensors, self._work = [t.tolist() for t in self._tensors or []], None, None
+        return self._rows
+
+
+def start_gather(values: list[float]) -> PendingRows:
+    """Start gathering every rank's float64 ``values`` (the same length on every rank; gloo, in the background).
+
+    An all-gather, not an all-reduce: with gloo it costs about half the CPU of an all-reduce of the
+    same few floats (fewer messages), and the caller sums the rows in rank order itself, so a sum
+    does not depend on the collective's algorithm or on how many values travel together."""
+    if not active() or dist.get_world_size() == 1:
+        return PendingRows([[float(v) for v in values]])
+    tensor = torch.tensor(values, dtype=torch.float64, device=CPU)
+    rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    return PendingRows([], rows, dist.all_gather(rows, tensor, async_op=True))

@@ -82,7 +82,7 @@ class DataLoader:
         self.global_batch = self.micro_samples  # samples one optimizer step consumes (run.batches sets it)
         self.saved_global_batch: int | None = None  # the restored cursor's, to report a change
         self.before_batch: Callable[[], None] | None = None  # the run's step boundary (a pending stop acts here)
-        self._cursors: weakref.WeakSet[_Cursor] = weakref.WeakSet()
+        self._cursors: list[weakref.ref[_Cursor]] = []  # the live iterators (a list: commit reads it every step)
 
     @property
     def micro_samples(self) -> int:
@@ -103,15 +103,19 @@ class DataLoader:
         self.sampler.end = self.consumed + max(0, self.epoch_samples - self.consumed) // self.micro_samples * self.micro_samples
         self.generator.manual_seed(self.sampler.seed * 7_919 + self.epoch)  # worker base seeds
         cursor = _Cursor(self, iter(self.loader))
-        self._cursors.add(cursor)
+        self._cursors = [ref for ref in self._cursors if ref() is not None] + [weakref.ref(cursor)]
         return cursor
 
     def commit(self) -> None:
         """A step consumed what the loop was handed: the position moves to the furthest live iterator of this epoch."""
-        live = [c.position for c in self._cursors if c.epoch == self.epoch]
-        if live and max(live) > self.consumed:
-            self.samples_seen += max(live) - self.consumed
-            self.consumed = max(live)
+        furthest = self.consumed
+        for ref in self._cursors:
+            cursor = ref()
+            if cursor is not None and cursor.epoch == self.epoch and cursor.position > furthest:
+                furthest = cursor.position
+        if furthest > self.consumed:
+            self.samples_seen += furthest - self.consumed
+            self.consumed = furthest
 
     def _epoch_done(self, cursor: _Cursor) -> None:
         """The loop asked past the last batch: everything was consumed, the next iterator starts the next epoch."""
@@ -138,11 +142,8 @@ class _Cursor:
 
     def __init__(self, owner: DataLoader, batches: Iterator[Any]) -> None:
         self.owner, self.batches = owner, batches
-        self.epoch, self.start, self.handed = owner.epoch, owner.consumed, 0
-
-    @property
-    def position(self) -> int:
-        return self.start + self.handed * self.owner.micro_samples
+        self.epoch, self.micro = owner.epoch, owner.micro_samples
+        self.position = owner.consumed  # global samples: where it started, plus what it handed out
 
     def __iter__(self) -> _Cursor:
         return self
@@ -155,7 +156,7 @@ class _Cursor:
         except StopIteration:
             self.owner._epoch_done(self)
             raise
-        self.handed += 1
+        self.position += self.micro
         return batch
 
 

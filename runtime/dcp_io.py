@@ -1,7 +1,8 @@
 """torch.distributed.checkpoint storage that hashes as it writes and unpickles nothing unsafe.
 
 Writing: a ``FileSystem`` whose streams hash every byte on its way to disk, so
-DCP's tensor files get their manifest digests without a second pass.
+DCP's tensor files get their manifest digests without a second pass — a digest
+per stored item (chunk) for the data files, see :mod:`hashing`.
 
 Reading: DCP reads ``.metadata`` with plain ``pickle.load`` and loads
 non-tensor items with ``weights_only=False``. Our reader unpickles the metadata
@@ -12,12 +13,16 @@ allocated, every read the metadata declares is checked against the manifest:
 plain file names of this ``dcp/`` that the manifest lists, byte ranges inside
 those files, declared bytes adding up to the listed ones, and no tensor larger
 than the bytes stored for it — so neither a 2^60-element shape nor a
-``../../etc/passwd`` ever reaches the allocator or DCP's reader.
+``../../etc/passwd`` ever reaches the allocator or DCP's reader. Each item is
+then read into memory once and, for a chunked (schema 3) manifest, hashed
+against the digest of exactly its bytes before it is deserialised
+(:mod:`verified_read`); so is ``.metadata`` before it is unpickled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import math
 import os
@@ -25,17 +30,22 @@ import pickle
 import threading
 from collections import defaultdict
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Collection, Generator
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from ckptrun.runtime import collectives
 from ckptrun.runtime.hashing import HashingWriter
-from ckptrun.runtime.manifest import ManifestError, read_manifest
+from ckptrun.runtime.manifest import Manifest, ManifestError, read_manifest
+from ckptrun.runtime.verified_read import ChunkIndex, MemoryFile, Span, read_small, read_spans
+from ckptrun.runtime.writeback import StreamingFile  # S2: data files start writeback as they are written
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -65,30 +75,38 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise UnsafeMetadataError(f"DCP metadata refers to {module}.{name}, which a snapshot never needs; refusing to unpickle it")
 
 
-def load_metadata(dcp_dir: Path) -> Metadata:
-    """Read ``.metadata`` safely; check it describes tensors only, stored where the snapshot's manifest says."""
-    with open(dcp_dir / ".metadata", "rb") as stream:
-        try:
-            metadata = RestrictedUnpickler(stream).load()
-        except UnsafeMetadataError:
-            raise
-        except Exception as exc:  # a truncated or garbled pickle
-            raise UnsafeMetadataError(f"DCP metadata unreadable: {exc}") from None
+def load_metadata(dcp_dir: Path, manifest: Manifest | None = None) -> Metadata:
+    """Read ``.metadata`` safely (its bytes checked against the manifest first when the manifest is chunked);
+    check it describes tensors only, stored where the snapshot's manifest says."""
+    manifest = manifest or _manifest_of(dcp_dir)
+    entry = next((e for e in manifest.files if e.path == f"{dcp_dir.name}/.metadata"), None)
+    if entry is None:
+        raise UnsafeMetadataError(f"the manifest does not list {dcp_dir.name}/.metadata")
+    data = read_small(dcp_dir.parent, entry, manifest.verified_as_loaded)
+    try:
+        metadata = RestrictedUnpickler(io.BytesIO(data)).load()
+    except UnsafeMetadataError:
+        raise
+    except Exception as exc:  # a truncated or garbled pickle
+        raise UnsafeMetadataError(f"DCP metadata unreadable: {exc}") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeMetadataError("DCP metadata is not a Metadata object")
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             raise UnsafeMetadataError(f"DCP item {key!r} is not a tensor; snapshots keep non-tensor state in JSON")
-    check_declared(metadata, _listed_sizes(dcp_dir))
+    check_declared(metadata, _listed_sizes(dcp_dir, manifest))
     return metadata
 
 
-def _listed_sizes(dcp_dir: Path) -> dict[str, int]:
-    """Manifest size of every data file directly in ``dcp_dir`` (the metadata itself is not data)."""
+def _manifest_of(dcp_dir: Path) -> Manifest:
     try:
-        manifest = read_manifest(dcp_dir.parent)
+        return read_manifest(dcp_dir.parent)
     except ManifestError as exc:
         raise UnsafeMetadataError(f"DCP metadata cannot be checked: {exc}") from None
+
+
+def _listed_sizes(dcp_dir: Path, manifest: Manifest) -> dict[str, int]:
+    """Manifest size of every data file directly in ``dcp_dir`` (the metadata itself is not data)."""
     prefix = f"{dcp_dir.name}/"
     return {entry.path[len(prefix):]: entry.size for entry in manifest.files
             if entry.path.startswith(prefix) and entry.path != f"{prefix}.metadata"}
@@ -129,14 +147,87 @@ def _check_storage(fqn: str, info: Any, sizes: dict[str, int]) -> int:
 
 
 class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through :func:`load_metadata`."""
+    """FileSystemReader whose metadata goes through :func:`load_metadata` and whose items are read once,
+    verified as they are read (chunked manifests) and loaded weights-only.
+
+    ``manifest``/``metadata``: already read and checked by the caller (else read here). ``fresh``: keys of
+    targets this load allocated, which may take over a loaded item's memory instead of copying it.
+    """
+
+    def __init__(self, path: str | os.PathLike, manifest: Manifest | None = None, metadata: Metadata | None = None,
+                 fresh: Collection[str] = ()) -> None:
+        super().__init__(path)
+        self.manifest, self.metadata, self.fresh = manifest, metadata, frozenset(fresh)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = load_metadata(Path(self.path))
+        dcp_dir = Path(self.path)
+        self.manifest = self.manifest or _manifest_of(dcp_dir)
+        metadata = self.metadata or load_metadata(dcp_dir, self.manifest)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Per file, this rank's items in file order: each read once (the next read while the last hashes),
+        checked against its chunk digests, deserialised weights-only, and placed into its target."""
+        dcp_dir = Path(self.path)
+        manifest = self.manifest or _manifest_of(dcp_dir)
+        by_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = defaultdict(lambda: defaultdict(list))
+        for request in plan.items:
+            if request.type == LoadItemType.BYTE_IO:
+                raise UnsafeMetadataError(f"DCP item {request.storage_index.fqn!r} is not a tensor")
+            by_file[self.storage_data[request.storage_index].relative_path][request.storage_index].append(request)
+        for name, requests in by_file.items():
+            order = sorted(requests, key=lambda index: self.storage_data[index].offset)
+            spans = [Span(self.storage_data[i].offset, self.storage_data[i].length, f"tensor {i.fqn!r}") for i in order]
+            for (_, data), index in zip(read_spans(dcp_dir / name, spans, _chunk_index(manifest, dcp_dir, name)), order):
+                stored = _load_in_place(data)
+                if not isinstance(stored, torch.Tensor):
+                    raise UnsafeMetadataError(f"DCP item {index.fqn!r} does not hold a tensor")
+                for request in requests[index]:
+                    self._place(stored, request, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _place(self, stored: torch.Tensor, request: ReadItem, planner: LoadPlanner) -> None:
+        """Copy the requested part of ``stored`` into its target; a fresh target that wants all of it takes
+        its memory instead (no copy)."""
+        piece = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)
+        target = planner.resolve_tensor(request)
+        if target.size() != piece.size():
+            raise UnsafeMetadataError(f"DCP item {request.storage_index.fqn!r}: stored {tuple(piece.size())}, "
+                                      f"expected {tuple(target.size())}")
+        whole = piece.size() == stored.size() and target.dtype == stored.dtype and not target.requires_grad
+        if whole and request.dest_index.fqn in self.fresh and type(target) is torch.Tensor:
+            target.set_(stored)
+        else:
+            target.detach().copy_(piece)
+        planner.commit_tensor(request, target)
+
+
+def _load_in_place(data: memoryview) -> Any:
+    """``torch.load(weights_only=True)`` of one serialised item already in memory, its tensor a view of those
+    bytes rather than a copy: the loader ``torch.load(mmap=True)`` itself calls, with the item's buffer as
+    the "mapped file" (``overall_storage``). Plain ``torch.load`` (one copy more) on a torch without it."""
+    if not _IN_PLACE:
+        return torch.load(MemoryFile(data), map_location="cpu", weights_only=True)
+    reader = torch._C.PyTorchFileReader(MemoryFile(data))
+    storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    return torch.serialization._load(reader, "cpu", torch.serialization._weights_only_unpickler,
+                                     overall_storage=storage, encoding="utf-8")
+
+
+_IN_PLACE = "overall_storage" in inspect.signature(getattr(torch.serialization, "_load", lambda: None)).parameters
+
+
+def _chunk_index(manifest: Manifest, dcp_dir: Path, name: str) -> ChunkIndex | None:
+    """The chunks of data file ``name`` when the manifest verifies loads (None: the snapshot was verified whole)."""
+    if not manifest.verified_as_loaded:
+        return None
+    entry = next(e for e in manifest.files if e.path == f"{dcp_dir.name}/{name}")
+    return ChunkIndex(entry)
 
 
 class HashingFileSystem(FileSystem):
@@ -146,7 +237,7 @@ class HashingFileSystem(FileSystem):
         super().__init__()
         self.algorithm = algorithm
         self.on_write = on_write
-        self.digests: dict[str, tuple[int, str]] = {}
+        self.digests: dict[str, tuple[int, str, list[tuple[int, int, str]] | None]] = {}  # size, digest, chunks
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -155,13 +246,13 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as raw:
-            stream = HashingWriter(raw, self.algorithm)
+        chunked = str(path).endswith(".distcp")  # data files: a digest per item (DCP asks tell() around each)
+        with StreamingFile(path) as raw, contextlib.closing(HashingWriter(raw, self.algorithm, chunked)) as stream:
             yield stream  # type: ignore[misc]
             if self.on_write is not None:
                 self.on_write(Path(path).name)
             with self._lock:
-                self.digests[Path(path).name] = (stream.size, stream.hexdigest())
+                self.digests[Path(path).name] = (stream.size, stream.hexdigest(), stream.chunks if chunked else None)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)

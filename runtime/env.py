@@ -38,6 +38,19 @@ def _memory_cadence(value: Any) -> Any:
 MemoryCadence = Annotated[int | Literal["auto"], BeforeValidator(_memory_cadence)]
 
 
+def _decision_cadence(value: Any) -> Any:
+    """``--decision-every-steps``: a number of steps >= 1 or ``auto``; the message says which."""
+    text = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if text == "auto":
+        return "auto"
+    if text is None or not text.isdigit() or int(text) < 1:
+        raise ValueError("must be a number of steps >= 1 (1: every step) or auto")
+    return int(text)
+
+
+DecisionCadence = Annotated[int | Literal["auto"], BeforeValidator(_decision_cadence)]
+
+
 class EnvError(ValueError):
     """A ``CKPTRUN_*`` variable is malformed; the message names it and the fix."""
 
@@ -74,6 +87,7 @@ class RunEnv(BaseModel):
     async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
     save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")
     max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that stop the run (exit 1).")
+    decision_every_steps: DecisionCadence = Field("auto", description="Steps whose facts (mean losses, stop, time-based save, anomalies) the ranks share in one collective; a stop or such a save is agreed at most this many steps late (auto: about one exchange per 250 ms of training, at most 32 steps).")
     heartbeat_interval: float = Field(1.0, gt=0, description="Seconds between heartbeat writes of a rank.")
     seed: int = Field(0, description="Base seed; rank r seeds python, numpy and torch with seed + r.")
     deterministic: bool = Field(True, description="torch.use_deterministic_algorithms and fixed seeds.")

@@ -3,6 +3,15 @@
 sha256 (hashlib) is the default; blake3 is used when the optional package is
 installed and asked for. The algorithm is recorded per file in the manifest, so
 verification never guesses. Importable without torch.
+
+A DCP data file holds one stored item after another, and with resharding a rank
+reads only some of them. So its digest is split into **chunks**, one per item:
+the writer starts a new hasher wherever DCP asks for the stream position (it
+does so around every item), and the manifest records each chunk's offset,
+length and digest. The file's own digest is then the digest of its chunk list
+(:func:`chunks_digest`), so every byte is hashed once when written, a loader
+checks exactly the chunks it reads, and a whole-file check re-hashes chunk by
+chunk (:func:`entry_hasher`). Small files keep a plain digest of their bytes.
 """
 
 from __future__ import annotations
@@ -10,10 +19,15 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Protocol
+
+if TYPE_CHECKING:
+    from ckptrun.runtime.manifest import FileEntry
 
 CHUNK = 4 << 20
+PARALLEL_MIN = 1 << 20  # a write at least this large is hashed on a helper thread while the write syscall runs
 
 
 def new_hasher(algorithm: str) -> Any:
@@ -29,14 +43,79 @@ def new_hasher(algorithm: str) -> Any:
     raise ValueError(f"unknown hash algorithm {algorithm!r}; use sha256 or blake3")
 
 
+class ChunkLike(Protocol):
+    offset: int
+    length: int
+    digest: str
+
+
+def chunks_digest(algorithm: str, chunks: Iterable[tuple[int, int, str]]) -> str:
+    """The digest of a chunked file: ``algorithm`` over its ``offset:length:digest`` lines, in order."""
+    hasher = new_hasher(algorithm)
+    hasher.update("".join(f"{offset}:{length}:{digest}\n" for offset, length, digest in chunks).encode())
+    return hasher.hexdigest()
+
+
+class ChunkHasher:
+    """Takes a chunked file's bytes in order and hashes them chunk by chunk at the manifest's boundaries.
+
+    :meth:`hexdigest` is the chunk-list digest of what it was fed (equal to the entry's digest exactly when
+    every chunk matches and nothing is missing or extra); :meth:`bad_chunks` names the chunks that differ.
+    """
+
+    def __init__(self, algorithm: str, chunks: list[ChunkLike]) -> None:
+        self.algorithm, self.chunks = algorithm, chunks
+        self.found: list[str] = []  # the digest computed for each completed chunk
+        self.hasher, self.filled, self.extra = new_hasher(algorithm), 0, 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            if len(self.found) == len(self.chunks):  # bytes past the last chunk: they change the digest
+                self.hasher.update(view)
+                self.extra += len(view)
+                return
+            part = view[:self.chunks[len(self.found)].length - self.filled]
+            self.hasher.update(part)
+            self.filled += len(part)
+            view = view[len(part):]
+            if self.filled == self.chunks[len(self.found)].length:
+                self.found.append(self.hasher.hexdigest())
+                self.hasher, self.filled = new_hasher(self.algorithm), 0
+
+    def hexdigest(self) -> str:
+        computed = [(c.offset, c.length, d) for c, d in zip(self.chunks, self.found)]
+        if self.filled or self.extra:  # a file cut short (a partial chunk) or too long (a trailing one)
+            start = computed[-1][0] + computed[-1][1] if computed else 0
+            computed.append((start, self.filled or self.extra, self.hasher.hexdigest()))
+        return chunks_digest(self.algorithm, computed)
+
+    def bad_chunks(self) -> list[tuple[ChunkLike, str]]:
+        """Each completed chunk whose bytes do not match its digest, with the digest they have."""
+        return [(chunk, digest) for chunk, digest in zip(self.chunks, self.found) if digest != chunk.digest]
+
+
+def entry_hasher(entry: "FileEntry") -> Any:
+    """A hasher that takes ``entry``'s file bytes in order and yields the digest its manifest entry records,
+    whether the file is chunked or not: the one way a listed file is checked (verify, uploads, downloads)."""
+    if entry.chunks is None:
+        return new_hasher(entry.algorithm)
+    return ChunkHasher(entry.algorithm, entry.chunks)
+
+
 def hash_file(path: Path, algorithm: str, progress: Callable[[int], None] | None = None,
               uncached: bool = False) -> tuple[int, str]:
-    """Size and hex digest of ``path``, read in large chunks (releases the GIL).
+    """Size and plain hex digest of ``path`` (a small file's manifest digest)."""
+    hasher = new_hasher(algorithm)
+    return feed_file(path, hasher, progress, uncached), hasher.hexdigest()
+
+
+def feed_file(path: Path, hasher: Any, progress: Callable[[int], None] | None = None, uncached: bool = False) -> int:
+    """Feed ``path`` to ``hasher`` in large chunks (hashing releases the GIL); return its size.
 
     ``uncached`` first drops the file's pages from the page cache, so the digest is
     of what the disk returns, not of the copy the writer left in memory.
     """
-    hasher = new_hasher(algorithm)
     size = 0
     with open(path, "rb", buffering=0) as stream:
         if uncached and hasattr(os, "posix_fadvise"):
@@ -51,35 +130,63 @@ def hash_file(path: Path, algorithm: str, progress: Callable[[int], None] | None
             size += count
             if progress is not None:
                 progress(count)
-    return size, hasher.hexdigest()
+    return size
 
 
 class HashingWriter(io.RawIOBase):
     """A write-only stream that hashes every byte on its way to ``raw``.
 
     DCP and our own writers write through it, so a snapshot's digests cost no
-    second pass over the data.
+    second pass over the data. A large write is hashed on a helper thread while
+    the write syscall runs (both release the GIL); the write returns only when
+    both are done, so the caller may reuse its buffer. ``chunked``: a new chunk
+    starts at every :meth:`tell` (see the module docstring).
     """
 
-    def __init__(self, raw: BinaryIO, algorithm: str) -> None:
+    def __init__(self, raw: BinaryIO, algorithm: str, chunked: bool = False) -> None:
         super().__init__()
-        self.raw = raw
+        self.raw, self.algorithm, self.chunked = raw, algorithm, chunked
         self.hasher = new_hasher(algorithm)
         self.size = 0
+        self.chunks: list[tuple[int, int, str]] = []  # (offset, length, digest), chunked files only
+        self._chunk_start = 0
+        self._helper: ThreadPoolExecutor | None = None
+        self._whole = isinstance(raw, io.BufferedIOBase)  # a blocking buffered write takes all bytes or raises
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
-        written = self.raw.write(view)
-        written = len(view) if written is None else written
-        self.hasher.update(view[:written])
+        if self._whole and len(view) >= PARALLEL_MIN:
+            hashed = self._hash_aside(view)
+            try:
+                self.raw.write(view)
+            finally:
+                hashed.result()
+            written = len(view)
+        else:
+            written = self.raw.write(view)
+            written = len(view) if written is None else written
+            self.hasher.update(view[:written])
         self.size += written
         return written
 
+    def _hash_aside(self, view: memoryview) -> Future:
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, "ckptrun-hash")
+        return self._helper.submit(self.hasher.update, view)
+
     def tell(self) -> int:
+        if self.chunked:
+            self._cut()
         return self.raw.tell()
+
+    def _cut(self) -> None:
+        """End the current chunk here (nothing happens if it is empty)."""
+        if self.size > self._chunk_start:
+            self.chunks.append((self._chunk_start, self.size - self._chunk_start, self.hasher.hexdigest()))
+            self.hasher, self._chunk_start = new_hasher(self.algorithm), self.size
 
     def fileno(self) -> int:
         """Flushed first: DCP calls ``os.fsync(stream.fileno())``, which must cover the buffered tail."""
@@ -98,6 +205,12 @@ class HashingWriter(io.RawIOBase):
         if not self.closed:
             super().close()
             self.raw.close()
+            if self._helper is not None:
+                self._helper.shutdown()
 
     def hexdigest(self) -> str:
-        return self.hasher.hexdigest()
+        """The file's manifest digest: of its bytes, or of its chunk list when ``chunked``."""
+        if not self.chunked:
+            return self.hasher.hexdigest()
+        self._cut()
+        return chunks_digest(self.algorithm, self.chunks)

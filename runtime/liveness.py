@@ -59,10 +59,14 @@ def enable_stack_dumps() -> None:
 
 
 def supervisor_alive(pid: int, start_time: float | None) -> bool:
+    """A zombie is dead: a SIGKILLed supervisor whose parent has not reaped it yet (a test, a shell, a container
+    entry point that never waits) still has a pid and a create time, and its workers must not wait for it."""
     import psutil
 
     try:
         process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
         return start_time is None or abs(process.create_time() - start_time) < 1.0
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
@@ -89,3 +93,11 @@ def watch_supervisor(pid: int | None, start_time: float | None, period: float = 
                 os._exit(SUPERVISOR_GONE_EXIT)
 
     threading.Thread(target=loop, name="ckptrun-supervisor-watch", daemon=True).start()
+
+
+def _forget_watch() -> None:
+    global _watching
+    _watching = False
+
+
+os.register_at_fork(after_in_child=_forget_watch)  # a forked process (a warm rank) has no watch thread: it starts its own

@@ -13,15 +13,25 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 2  # 2: writer rank per file, global shape and dtype per tensor (the sharded manifest)
-READABLE_SCHEMAS = (1, 2)  # version 1 manifests lack both; they still verify and load
+SCHEMA_VERSION = 3  # 3: chunk digests per DCP data file; 2: writer rank per file, global shape and dtype per tensor
+READABLE_SCHEMAS = (1, 2, 3)  # older manifests lack those; they still verify (whole files) and load
 MANIFEST_NAME = "manifest.json"
 
 
 class ManifestError(ValueError):
     """The manifest is missing, unreadable or invalid; the message says which."""
+
+
+class Chunk(BaseModel):
+    """One stored DCP item's bytes inside its file, with their own digest (see :mod:`hashing`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    offset: int = Field(ge=0)
+    length: int = Field(gt=0)
+    digest: str = Field(description="Lower-case hex digest of bytes offset..offset+length, same algorithm as the file's.")
 
 
 class FileEntry(BaseModel):
@@ -32,8 +42,11 @@ class FileEntry(BaseModel):
     path: str = Field(description="Relative POSIX path inside the snapshot directory.")
     size: int = Field(ge=0)
     algorithm: str = Field(description="Hash algorithm of `digest` (sha256, blake3).")
-    digest: str = Field(description="Lower-case hex digest of the file's bytes.")
+    digest: str = Field(description="Lower-case hex digest of the file's bytes or, for a chunked file, of its "
+                                    "chunk list (hashing.chunks_digest).")
     rank: int | None = Field(None, ge=0, description="The rank that wrote the file (None in schema 1 manifests).")
+    chunks: list[Chunk] | None = Field(None, description="DCP data files (schema 3): a digest per stored item, "
+                                                          "covering the file contiguously; None for other files.")
 
     @field_validator("path")
     @classmethod
@@ -45,6 +58,19 @@ class FileEntry(BaseModel):
         if pure.name == MANIFEST_NAME and len(pure.parts) == 1:
             raise ValueError("the manifest cannot list itself")
         return value
+
+    @model_validator(mode="after")
+    def _chunks_tile_the_file(self) -> "FileEntry":
+        """Chunks start at 0 and follow one another to the file's end, so each byte has exactly one digest."""
+        if self.chunks is not None:
+            end = 0
+            for chunk in self.chunks:
+                if chunk.offset != end:
+                    raise ValueError(f"{self.path}: chunk at byte {chunk.offset}, expected one at {end}")
+                end += chunk.length
+            if end != self.size:
+                raise ValueError(f"{self.path}: chunks cover {end} bytes of {self.size}")
+        return self
 
 
 class TensorEntry(BaseModel):
@@ -99,6 +125,13 @@ class Manifest(BaseModel):
     def total_bytes(self) -> int:
         return sum(entry.size for entry in self.files)
 
+    @property
+    def verified_as_loaded(self) -> bool:
+        """Whether a load checks every byte it reads against this manifest: every DCP data file has chunk
+        digests (schema 3). Then a pre-load check needs only manifest and sizes; else it hashes whole files."""
+        data = [entry for entry in self.files if entry.path.endswith(".distcp")]
+        return self.schema_version >= 3 and bool(data) and all(entry.chunks is not None for entry in data)
+
     def sharding_problems(self) -> list[str]:
         """What a sharded (schema 2) manifest gets wrong about who wrote what: each DCP data file
         ``__R_N.distcp`` and per-rank file names its writer rank R, below the world size."""
@@ -116,7 +149,11 @@ class Manifest(BaseModel):
         return problems
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True)
+        document = self.model_dump(mode="json")
+        for entry in document["files"]:  # only DCP data files have chunks: no `"chunks": null` on the others
+            if entry["chunks"] is None:
+                del entry["chunks"]
+        return json.dumps(document, indent=1, sort_keys=True)
 
 
 def _named_rank(path: str) -> int | None:

@@ -60,6 +60,13 @@ class JsonlAppender:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         os.write(self._fd, (json.dumps(record, default=_default, allow_nan=True) + "\n").encode())
 
+    def append_many(self, records: list[dict[str, Any]]) -> None:
+        """Several whole lines in one ``O_APPEND`` write (a batch of steps whose mean losses arrived together)."""
+        if records:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            os.write(self._fd, "".join(json.dumps(r, default=_default, allow_nan=True) + "\n" for r in records).encode())
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -177,7 +177,8 @@ class Run(LoopShapes, StepEnd):
                                   seconds=time.monotonic() - started, bytes=loaded.manifest.total_bytes,
                                   since_process_start=time.time() - _process_start_time(),
                                   startup={"process": _process_start_time(), **timeline.MARKS},
-                                  verified_by="supervisor" if self.env.resume_from else "runtime",
+                                  verified_by="as loaded" if loaded.manifest.verified_as_loaded else
+                                  "supervisor" if self.env.resume_from else "runtime",
                                   tier="memory" if self.memory.holds(chosen) else "disk")
             if self.env.exit_after_restore:
                 self._exit_quietly(0)
@@ -203,7 +204,8 @@ class Run(LoopShapes, StepEnd):
                                               log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
             choice = str(found) if found else None
         elif self.rank == 0:
-            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), skip=skipped)
+            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), skip=skipped,
+                                     at_load=True)  # chunked snapshots: sizes here, every byte verified as loaded
             choice = str(report.path) if report else None
         choice = collectives.broadcast_object(choice)
         return Path(choice) if choice else None

@@ -17,8 +17,11 @@ the restricted DCP reader, ``torch.load(weights_only=True)`` and JSON.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +30,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptrun.runtime import collectives, store
+from ckptrun.runtime import collectives, store, zip_crc
 from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata, tensor_table
 from ckptrun.runtime.hashing import HashingWriter
-from ckptrun.runtime.manifest import FileEntry, Manifest, TensorEntry, read_manifest
+from ckptrun.runtime.manifest import Chunk, FileEntry, Manifest, TensorEntry, read_manifest
+from ckptrun.runtime.verified_read import read_small
 
 DCP_DIR = "dcp"
 STATE_JSON = "state.json"
@@ -119,9 +123,9 @@ def persist_and_publish(
     """
     started = time.monotonic()
     rank, world = collectives.rank(), collectives.world_size()
-    entries, error, table = _persist(temp_dir, state, rank, algorithm, fault, group)
+    entries, error, table = _persist_durably(temp_dir, state, rank, algorithm, fault, group)
     persist_done = time.monotonic()
-    gathered = collectives.all_gather_object((entries, error, state.staged_bytes, state.allocated_bytes), group=group)
+    gathered = _gather((entries, error, state.staged_bytes, state.allocated_bytes), world, group)
     staged = tuple(g[2] for g in gathered)
     allocated = tuple(g[3] for g in gathered)
     errors = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1]]
@@ -129,7 +133,8 @@ def persist_and_publish(
         errors.append(_free_space(temp_dir.parent))
         if rank == 0:
             store.clean_temp_dirs(temp_dir.parent)
-        collectives.barrier(group)
+        if world > 1:
+            collectives.barrier(group)
         return SaveResult(False, info.step, error="; ".join(errors), persist_s=persist_done - started)
     fault("before-manifest")
     result: Any = None
@@ -138,12 +143,45 @@ def persist_and_publish(
         result = _publish(temp_dir, files, table, info, world, fault)
     else:
         fault("before-publish")  # the publisher is rank 0; other ranks wait for it here
-    result = collectives.broadcast_object(result, group=group)
+    if world > 1:
+        result = collectives.broadcast_object(result, group=group)
     if isinstance(result, str):
         return SaveResult(False, info.step, error=result, persist_s=persist_done - started)
     path, total, digest = result
     return SaveResult(True, info.step, Path(path), total, 0.0, persist_done - started, time.monotonic() - persist_done,
                       staged_bytes_per_rank=staged, allocated_bytes_per_rank=allocated, tensor_digest=digest)
+
+
+def _gather(obj: Any, world: int, group: Any) -> list[Any]:
+    """Every rank's ``obj``; a world of one needs no collective."""
+    return [obj] if world == 1 else collectives.all_gather_object(obj, group=group)
+
+
+_durability = threading.local()  # the FsyncBatch of the save persisting on this thread, if any
+
+
+def _persist_durably(temp_dir: Path, state: State, rank: int, algorithm: str, fault: FaultHook,
+                     group: Any) -> tuple[list[FileEntry], str | None, dict[str, TensorEntry]]:
+    """:func:`_persist`, with every file it wrote durable on return.
+
+    DCP fsyncs its own files; the small files (:func:`_write_bytes`) and, on rank 0,
+    ``dcp/`` itself (every rank's data file is in it once DCP returns) are fsynced
+    side by side in one :class:`store.FsyncBatch` rather than one after another.
+    """
+    batch = store.FsyncBatch()
+    _durability.batch = batch
+    try:
+        with zip_crc.skipped():  # the manifest digests cover every byte
+            entries, error, table = _persist(temp_dir, state, rank, algorithm, fault, group)
+    finally:
+        _durability.batch = None
+    if rank == 0 and error is None:
+        batch.directory(temp_dir / DCP_DIR)
+    try:
+        batch.wait()
+    except OSError as exc:
+        error = error or f"writing {exc.filename or 'snapshot file'} failed: {exc.strerror or exc}"
+    return entries, error, table
 
 
 def _persist(temp_dir: Path, state: State, rank: int, algorithm: str, fault: FaultHook,
@@ -160,8 +198,9 @@ def _persist(temp_dir: Path, state: State, rank: int, algorithm: str, fault: Fau
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         error = f"DCP save failed: {_first_line(exc)}"
-    entries += [FileEntry(path=f"{DCP_DIR}/{name}", size=size, algorithm=algorithm, digest=digest, rank=rank)
-                for name, (size, digest) in writer.fs.digests.items()]
+    entries += [FileEntry(path=f"{DCP_DIR}/{name}", size=size, algorithm=algorithm, digest=digest, rank=rank,
+                          chunks=None if chunks is None else [Chunk(offset=o, length=n, digest=d) for o, n, d in chunks])
+                for name, (size, digest, chunks) in writer.fs.digests.items()]
     if error:
         return entries, error, table
     try:
@@ -206,10 +245,21 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], algorithm: str)
 
 
 def _write_bytes(path: Path, write: Callable[[Any], Any], algorithm: str) -> FileEntry:
-    with open(path, "wb") as raw:
-        stream = HashingWriter(raw, algorithm)
+    """Write, hash and fsync one small file; inside :func:`_persist_durably` the fsync joins the
+    save's batch (awaited before the results are gathered), elsewhere it runs here."""
+    batch: store.FsyncBatch | None = getattr(_durability, "batch", None)
+    stream = HashingWriter(open(path, "wb"), algorithm)
+    try:
         write(stream)
-        stream.fsync()
+        stream.flush()
+    except BaseException:
+        stream.close()
+        raise
+    if batch is None:
+        with stream:
+            os.fsync(stream.fileno())
+    else:
+        batch.file(stream, path)  # the batch closes it
     return FileEntry(path=path.name, size=stream.size, algorithm=algorithm, digest=stream.hexdigest())
 
 
@@ -223,9 +273,7 @@ def _publish(temp_dir: Path, files: list[FileEntry], tensors: dict[str, TensorEn
         world_size_history=info.world_size_history,
     )
     try:
-        for sub in {Path(f.path).parent for f in files if "/" in f.path}:
-            store.fsync_dir(temp_dir / sub)
-        store.write_manifest(temp_dir, manifest)
+        store.write_manifest(temp_dir, manifest)  # dcp/ was fsynced with the files (_persist_durably)
         fault("before-publish")
         final = store.publish(temp_dir, info.step)
     except OSError as exc:
@@ -257,7 +305,8 @@ class Loaded:
 
 
 def check_sizes(snapshot_dir: Path, manifest: Manifest) -> None:
-    """Cheap pre-load check for a snapshot whose digests were verified by the supervisor."""
+    """Cheap pre-load check: digests are checked as the bytes are read (chunked manifests) or were checked
+    whole before the load (older ones)."""
     for entry in manifest.files:
         path = snapshot_dir / entry.path
         if not path.resolve().is_relative_to(snapshot_dir.resolve()):
@@ -271,59 +320,84 @@ def check_sizes(snapshot_dir: Path, manifest: Manifest) -> None:
 
 
 def load(snapshot_dir: Path, rank_files: bool = True, live: dict[str, torch.Tensor] | None = None) -> Loaded:
-    """Collectively load a snapshot whose bytes were verified; every rank reads its own files.
+    """Collectively load a snapshot; every rank reads its own files, each byte once.
+
+    With a chunked (schema 3) manifest every byte read is hashed as it is read and checked against the
+    manifest before it is parsed: small files whole, each DCP item by the digest of exactly its bytes.
+    Older manifests are loaded as verified beforehand (``verify_snapshot`` hashes their whole files).
 
     Tensors in ``live`` (model and optimizer, keyed as stored) are loaded into in place, so
     each rank reads only its shards; tied tensors come back as one tensor under every key.
 
     ``rank_files=False`` (a resume at another world size) reads no per-rank files: ``rank_tree`` is empty.
 
-    Raises :class:`LoadError` on every rank when any rank cannot load its part,
-    so the ranks agree on falling back instead of deadlocking.
+    Raises :class:`LoadError` on every rank when any rank cannot load its part (a digest that does not
+    match included: the message names the rank, the file, the byte range and the tensor), so the ranks
+    agree on falling back instead of deadlocking.
     """
-    local: Loaded | None = None
+    read: tuple[Loaded, SafeReader] | None = None
     problem = None
     try:
-        local = _read_local(snapshot_dir, collectives.rank(), rank_files, live)
+        read = _read_local(snapshot_dir, collectives.rank(), rank_files, live)
     except Exception as exc:  # noqa: BLE001 - any local failure must reach the agreement below
         problem = f"rank {collectives.rank()}: {type(exc).__name__}: {exc}"
     problems = [p for p in collectives.all_gather_object(problem) if p]
-    if problems or local is None:
-        raise LoadError(problems[0] if problems else "nothing loaded")
+    if problems or read is None:
+        raise LoadError("; ".join(problems[:2]) if problems else "nothing loaded")
+    local, reader = read
     if local.shared_tensors:
         try:
-            dcp.load(local.shared_tensors, storage_reader=SafeReader(snapshot_dir / DCP_DIR))
+            dcp.load(local.shared_tensors, storage_reader=reader)
         except BaseException as exc:  # CheckpointException is a BaseException, raised on every rank
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise LoadError(f"DCP load failed: {_first_line(exc)}") from None
+            raise LoadError(f"DCP load failed: {_rank_failures(exc)}") from None
     for alias, key in local.shared_tree.get("aliases", {}).items():
         local.shared_tensors[alias] = local.shared_tensors[key]
     return local
 
 
+def _rank_failures(exc: BaseException) -> str:
+    """Every failing rank's cause, one line each (DCP gathers them into one exception on every rank)."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return f"rank {collectives.rank()}: {_first_line(exc)}"
+    causes = []
+    for rank, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        causes.append(f"rank {rank}: {_first_line(cause)}")
+    return "; ".join(causes[:3]) + (f" (and {len(causes) - 3} more ranks)" if len(causes) > 3 else "")
+
+
 def _read_local(snapshot_dir: Path, rank: int, rank_files: bool = True,
-                live: dict[str, torch.Tensor] | None = None) -> Loaded:
-    """This rank's small files and the DCP metadata, read through loaders that run no code."""
+                live: dict[str, torch.Tensor] | None = None) -> tuple[Loaded, SafeReader]:
+    """This rank's small files and the DCP metadata, each read once (and checked against its digest when the
+    manifest is chunked) and parsed by loaders that run no code; the reader for its DCP items."""
     from ckptrun.runtime.treecodec import tensor_keys
 
     manifest = read_manifest(snapshot_dir)
     check_sizes(snapshot_dir, manifest)
-    listed = {entry.path for entry in manifest.files}
+    listed = {entry.path: entry for entry in manifest.files}
     own_files = (rank_json(rank), rank_tensors(rank)) if rank_files else ()
     for needed in (STATE_JSON, *own_files, f"{DCP_DIR}/.metadata"):
         if needed not in listed:
             raise LoadError(f"{snapshot_dir.name} does not list {needed}")
-    shared_tree = json.loads((snapshot_dir / STATE_JSON).read_text())
-    rank_tree: dict[str, Any] = json.loads((snapshot_dir / rank_json(rank)).read_text()) if rank_files else {}
-    own = torch.load(snapshot_dir / rank_tensors(rank), map_location="cpu", weights_only=True) if rank_files else {}
+
+    def read(name: str) -> bytes:
+        return read_small(snapshot_dir, listed[name], manifest.verified_as_loaded)
+
+    shared_tree = json.loads(read(STATE_JSON))
+    rank_tree: dict[str, Any] = json.loads(read(rank_json(rank))) if rank_files else {}
+    own = torch.load(io.BytesIO(read(rank_tensors(rank))), map_location="cpu", weights_only=True) if rank_files else {}
     if not isinstance(own, dict) or not all(isinstance(v, torch.Tensor) for v in own.values()):
         raise LoadError(f"{rank_tensors(rank)} does not hold a dict of tensors")
-    metadata = load_metadata(snapshot_dir / DCP_DIR)
+    metadata = load_metadata(snapshot_dir / DCP_DIR, manifest)
     _check_tensor_table(manifest, tensor_table(metadata))
     aliases = shared_tree.get("aliases", {})
     shared = allocate_from_metadata(metadata, [k for k in tensor_keys(shared_tree) if k not in aliases], live)
-    return Loaded(manifest, shared_tree, shared, rank_tree, own)
+    fresh = [key for key, tensor in shared.items() if (live or {}).get(key) is not tensor]
+    reader = SafeReader(snapshot_dir / DCP_DIR, manifest, metadata, fresh)
+    return Loaded(manifest, shared_tree, shared, rank_tree, own), reader
 
 
 def _check_tensor_table(manifest: Manifest, stored: dict[str, tuple[list[int], str]]) -> None:

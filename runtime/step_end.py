@@ -1,13 +1,15 @@
 """Closing an optimizer step, mixed into :class:`~ckptrun.runtime.session.Run`: its metrics line, the
 facts the ranks share about it, and the save or stop they agree on.
 
-This is what every step pays for ckptrun, so it waits for nothing: step k's
-facts travel in an all-reduce that step k+1 reads (:mod:`decisions`), the
-metrics line is one ``write`` to a file kept open, the heartbeat one clock
-read unless an interval has passed. A step's sums are read early — and
-waited for — only where every rank arrives at the same step: before a save
-(so the snapshot's step has its line and its loss was checked for
-anomalies), a stop, the end of the loop and ``finish``.
+This is what every step pays for ckptrun, so it waits for nothing and shares
+little: a step's facts join a batch that travels every N steps in one
+all-gather the next step reads (:mod:`decisions`); the metrics lines of a
+batch are one ``write`` to a file kept open; the heartbeat is one clock read
+unless an interval has passed; the stop file, rank 0's save clock and the
+save results are looked at once per batch. All facts so far are shared and
+read at once — and waited for — only where every rank arrives at the same
+step: before a save (so the snapshot's step has its line and its loss was
+checked for anomalies), a stop, the end of the loop and ``finish``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptrun.runtime import records
-from ckptrun.runtime.decisions import Agreed, Exchange
+from ckptrun.runtime.decisions import SETTLED_FROM, WARMUP_BATCHES, Agreed, Exchange, choose_every
 
 
 class StepEnd:
@@ -54,12 +56,14 @@ class StepEnd:
 
     def _start_step_end(self, world_size: int) -> None:
         """Called once by ``Run.__init__``."""
-        self.exchange = Exchange(world_size)
+        every = self.env.decision_every_steps
+        self.exchange = Exchange(world_size, 1 if every == "auto" else every)
+        self._warmup_times: list[float] | None = [] if every == "auto" else None  # auto: agreed s/step of the warm-up
         self.metrics_log = records.JsonlAppender(self.env.run_dir / records.METRICS)
         self._carried = (False, False)  # (stop, save) read from shared facts, to act on at the next boundary
         self._loaders: list[Any] = []  # tracked ckr.DataLoaders: a step commits what it consumed
-        self.last_step_time = time.monotonic()
-        atexit.register(self._write_arrived_line)
+        self.last_step_time = self._shared_at = time.monotonic()
+        atexit.register(self._write_arrived_lines)
 
     def end_step(self, loss: float | torch.Tensor, skipped: bool = False, samples: int = 0, **metrics: Any) -> float:
         """Close an optimizer step: log it, share its facts, save on cadence, agree on stops; returns this rank's loss.
@@ -67,9 +71,10 @@ class StepEnd:
         A skipped step (fp16 overflow) is logged but does not advance the step counter.
         ``metrics`` (e.g. ``accuracy=``) are logged with the step. Its metrics line (the
         loss averaged over ranks), its anomaly check and a stop or time-based save it asks
-        for are settled when the next step ends — one step late, the same step on every
-        rank. The agreed save and stop happen at the next step boundary (see :mod:`loop`),
-        after the code that follows this call, or here when the loop has no boundaries.
+        for are settled when its batch of facts is read — at most ``decision_every_steps``
+        steps late, the same step on every rank. The agreed save and stop happen at the
+        next step boundary (see :mod:`loop`), after the code that follows this call, or
+        here when the loop has no boundaries.
         """
         for loader in self._loaders:
             loader.commit()  # this step consumed what the loop was handed
@@ -77,13 +82,12 @@ class StepEnd:
         local = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         if self.faults.nan_loss(self.step):
             local = float("nan")
-        if self._settle_decisions():
-            return local  # the last step's loss rolled the run back: this step is gone with it
+        if self.exchange.pending and self._take_shared():
+            return local  # a shared loss rolled the run back: this step is gone with it
         step = self.step + 1
         record = self._step_record(step, dict(metrics, skipped=skipped), samples) if self.rank == 0 else None
-        self._settle_saves()
-        self.exchange.start(step, local, self._stop_requested(), self._time_to_save(), self.save_budget_spent is not None,
-                            skipped, record)
+        if self.exchange.add(step, local, skipped, record):
+            self._share()
         if skipped:
             return local
         self.step = step
@@ -95,6 +99,14 @@ class StepEnd:
             self._close_step()
         return local
 
+    def _share(self) -> None:
+        """Start sharing the open batch, with this rank's flags as they stand now (once per batch: they cost)."""
+        self._settle_saves()
+        now = time.monotonic()
+        self.exchange.start(self._stop_requested(), self._time_to_save(), self.save_budget_spent is not None,
+                            now - self._shared_at)
+        self._shared_at = now
+
     def _time_to_save(self) -> bool:
         """The clock part of the save cadence: rank 0's clock decides for every rank."""
         if self.rank != 0 or self.cadence.every_seconds is None:
@@ -102,19 +114,60 @@ class StepEnd:
         return self.cadence.time_due(time.monotonic(), self.last_save_time)
 
     def _settle_decisions(self) -> bool:
-        """Act now on the last step's shared facts (every rank is at this point); True when they rolled the run back."""
+        """Share and act on every fact so far; only where every rank is at the same step (a save, a stop, the end
+        of the loop, ``finish``): it may start a collective. True when a loss rolled the run back."""
+        if self._take_shared():
+            return True
+        if not self.exchange.open:
+            return False
+        self._share()
+        return self._take_shared()
+
+    def _take_shared(self) -> bool:
+        """Act on the batch in flight (every rank reads it at this point); True when a loss rolled the run back."""
         agreed = self.exchange.take()
         if agreed is None:
             return False
         if agreed.give_up:
             self._refuse(f"{self.save_budget_spent or 'saves failed on another rank'}; free disk space or fix the "
                          "checkpoint dir, then `ckptrun resume --latest`", 1)  # EXIT_FAILED: a restart may help
-        self._write_line(agreed)
         self._carried = (self._carried[0] or agreed.stop, self._carried[1] or agreed.save)
-        if agreed.skipped:
-            return False
-        anomaly = self.anomalies.check(agreed.loss)
-        return anomaly is not None and self._on_anomaly(anomaly, agreed.step)
+        self._tune_exchange(agreed)
+        lines = []
+        for facts in agreed.steps:
+            if facts.record is not None:
+                lines.append(self._line(facts))
+            anomaly = None if facts.skipped else self.anomalies.check(facts.loss)
+            if anomaly is not None:
+                self.metrics_log.append_many(lines)  # the anomalous step's line first, as the steps before it
+                lines = []
+                if self._on_anomaly(anomaly, facts.step):
+                    self.exchange.open.clear()  # steps after it are gone with the rollback, on every rank alike
+                    return True
+        self.metrics_log.append_many(lines)
+        return False
+
+    def _tune_exchange(self, agreed: Agreed) -> None:
+        """``decision_every_steps=auto``: N from agreed step times, so the same on every rank. First from the
+        warm-up batches (every step), then larger whenever a batch's steps ask for a quarter more: a job's first
+        steps are often slower than the rest (loader workers, allocator, compilation); never smaller, as a slow
+        batch (an epoch's start, a save) is not the job's pace."""
+        if self._warmup_times is None:
+            return
+        if len(self._warmup_times) < WARMUP_BATCHES:
+            self._warmup_times.append(agreed.step_time_s)
+            if len(self._warmup_times) < WARMUP_BATCHES:
+                return
+            settled = self._warmup_times[SETTLED_FROM - 1:]
+            step_time, every = sorted(settled)[len(settled) // 2], choose_every(settled)
+        else:
+            step_time, every = agreed.step_time_s, choose_every([agreed.step_time_s])
+            if every < self.exchange.every + max(1, self.exchange.every // 4):
+                return
+        self.exchange.every = every
+        if self.rank == 0:
+            records.log_event(self.env.run_dir, "decision_cadence", step=agreed.steps[-1].step, every_steps=every,
+                              step_time_s=step_time)
 
     def _close_step(self) -> None:
         """What the ranks agreed: stop (emergency snapshot, exit 3) or save; then step faults."""
@@ -161,20 +214,21 @@ class StepEnd:
         record.update({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in metrics.items() if v is not None})
         return record
 
-    def _write_line(self, agreed: Agreed) -> None:
-        if agreed.record is not None:
-            agreed.record["loss"] = agreed.loss
-            self.metrics_log.append(agreed.record)
-            agreed.record = None
-
     def _write_pending_line(self) -> None:
-        """Before an injected fault: the step's line, as a step that ended before the failure has one."""
-        agreed = self.exchange.peek()  # waits for the sum, which every rank started: no peer is needed
+        """Before an injected fault: the lines of the batch in flight, as steps that ended before the failure have.
+        Steps of the open batch have no mean loss yet: their lines come when a resume runs them again."""
+        agreed = self.exchange.peek()  # waits for the rows, which every rank started: no peer is needed
         if agreed is not None:
-            self._write_line(agreed)
+            self.metrics_log.append_many([self._line(facts) for facts in agreed.steps if facts.record is not None])
 
-    def _write_arrived_line(self) -> None:
-        """At exit without ``finish``: the last step's line if its sum has arrived (never wait for a peer then)."""
+    def _line(self, facts: Any) -> dict[str, Any]:
+        """Rank 0's line of a step once its mean loss is agreed; handed out once."""
+        record, facts.record = facts.record, None
+        record["loss"] = facts.loss
+        return record
+
+    def _write_arrived_lines(self) -> None:
+        """At exit without ``finish``: the lines of the batch in flight if its rows have arrived (never wait for a peer then)."""
         if self.exchange.arrived():
             self._write_pending_line()
         self.metrics_log.close()

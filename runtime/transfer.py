@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
 
-from ckptrun.runtime.hashing import CHUNK, new_hasher
+from ckptrun.runtime.hashing import CHUNK, entry_hasher
 from ckptrun.runtime.manifest import FileEntry, Manifest
 from ckptrun.runtime.store_backend import Published, SnapshotStore
 
@@ -66,7 +66,7 @@ def describe(exc: BaseException) -> str:
 def copy_file(source: SnapshotStore, name: str, target: SnapshotStore, handle: str, entry: FileEntry,
               progress: Callable[[int], None] | None = None) -> None:
     """Stream one listed file from ``source`` to ``target``, hashing; :class:`MismatchError` unless it matches."""
-    hasher, size = new_hasher(entry.algorithm), 0
+    hasher, size = entry_hasher(entry), 0
     with source.open_read(name, entry.path) as reader, target.open_write(handle, entry.path) as writer:
         while True:
             chunk = reader.read(CHUNK)
@@ -83,8 +83,9 @@ def copy_file(source: SnapshotStore, name: str, target: SnapshotStore, handle: s
 
 
 def hash_object(source: SnapshotStore, name: str, entry: FileEntry, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """Size and digest of one stored file, read in streaming chunks (``verify`` on an object store)."""
-    hasher, size = new_hasher(entry.algorithm), 0
+    """Size and manifest digest (:func:`hashing.entry_hasher`) of one stored file, read in streaming chunks
+    (``verify`` on an object store)."""
+    hasher, size = entry_hasher(entry), 0
     with source.open_read(name, entry.path) as reader:
         while chunk := reader.read(CHUNK):
             hasher.update(chunk)

@@ -3,6 +3,12 @@
 Used by ``ckptrun verify``, by the supervisor before a relaunch and by the
 runtime under plain torchrun. Files are hashed in parallel threads (hashlib
 releases the GIL on large buffers). Importable without torch.
+
+Who hashes what: every byte loaded is verified once. ``ckptrun verify`` hashes
+whole files (a chunked file chunk by chunk, :func:`hashing.entry_hasher`).
+Before a load, ``at_load=True`` checks only the manifest and sizes when the
+manifest is chunked (schema 3), because the loader then hashes every byte it
+reads (:mod:`verified_read`); older manifests are hashed whole there.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ckptrun.runtime.hashing import hash_file
+from ckptrun.runtime.hashing import entry_hasher, feed_file
 from ckptrun.runtime.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, read_manifest
 from ckptrun.runtime.store import Entry, Lineage, list_entries, read_lineage
 
@@ -35,6 +41,12 @@ class SnapshotReport:
     problems: list[str] = field(default_factory=list)
     manifest: Manifest | None = None
     abandoned: bool = False
+    deferred: bool = False  # only manifest and sizes checked: the load verifies every byte it reads
+
+    @property
+    def checked(self) -> str:
+        """What this verdict rests on, in words for logs and events."""
+        return "manifest and sizes checked; digests verified as loaded" if self.deferred else "every digest checked"
 
     @property
     def ok(self) -> bool:
@@ -86,11 +98,18 @@ def _check_file(root: Path, entry: FileEntry, quick: bool, progress: Callable[[i
     if quick:
         return None
     try:
-        _, digest = hash_file(path, entry.algorithm, progress, uncached)
+        hasher = entry_hasher(entry)
+        feed_file(path, hasher, progress, uncached)
     except ValueError as exc:
         return f"{entry.path}: {exc}"
     except OSError as exc:
         return f"{entry.path}: unreadable ({exc.strerror or exc})"
+    bad = hasher.bad_chunks() if entry.chunks is not None else []
+    if bad:
+        (chunk, found), more = bad[0], f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
+        return (f"{entry.path}: {entry.algorithm} {found[:16]}… of bytes {chunk.offset}..{chunk.offset + chunk.length}, "
+                f"manifest says {chunk.digest[:16]}…{more}")
+    digest = hasher.hexdigest()
     if digest != entry.digest:
         return f"{entry.path}: {entry.algorithm} {digest[:16]}…, manifest says {entry.digest[:16]}…"
     return None
@@ -109,10 +128,12 @@ def verify_snapshot(
     pool: ThreadPoolExecutor | None = None,
     uncached: bool = False,
     share: tuple[int, int] = (0, 1),
+    at_load: bool = False,
 ) -> SnapshotReport:
     """Check one snapshot: manifest valid, every file present, right size and (unless quick) digest,
     read past the page cache with ``uncached``. ``share=(i, n)``: only the listed files i, i+n, i+2n… (one
-    node's part of a verify spread over n nodes; share 0 also looks for unlisted files)."""
+    node's part of a verify spread over n nodes; share 0 also looks for unlisted files). ``at_load``: the
+    check before a load, which leaves the digests of a chunked manifest to the loader (``report.deferred``)."""
     step = _step_of(path)
     if not path.exists():
         return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"])
@@ -123,7 +144,8 @@ def verify_snapshot(
             return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"])
         status = INCOMPLETE if "missing" in str(exc) else CORRUPT
         return SnapshotReport(path, step, status, [str(exc)])
-    report = SnapshotReport(path, step, OK, manifest=manifest)
+    report = SnapshotReport(path, step, OK, manifest=manifest, deferred=at_load and manifest.verified_as_loaded)
+    quick = quick or report.deferred
     if manifest.step != step and step >= 0:
         report.problems.append(f"manifest step {manifest.step} does not match directory name {path.name}")
     own_pool = pool is None
@@ -193,23 +215,27 @@ def bytes_to_verify(ckpt_dir: Path) -> int:
 
 
 def newest_verified(
-    ckpt_dir: Path, log: Callable[[str], None] = lambda _: None, skip: set[str] | frozenset[str] = frozenset()
+    ckpt_dir: Path, log: Callable[[str], None] = lambda _: None, skip: set[str] | frozenset[str] = frozenset(),
+    at_load: bool = False,
 ) -> SnapshotReport | None:
     """The newest snapshot of the current lineage that verifies, saying why newer ones were skipped.
 
     ``skip`` names snapshots already known not to load (they verified but were refused at load).
+    ``at_load``: chosen for a load, which verifies chunked snapshots itself (see :func:`verify_snapshot`).
     """
     lineage = read_lineage(ckpt_dir)
     candidates = [e for e in list_entries(ckpt_dir, include_abandoned=False) if e.kind == "published" and e.name not in skip]
     with ThreadPoolExecutor(default_threads()) as pool:
         for entry in sorted(candidates, key=lambda e: e.step, reverse=True):
             started = time.monotonic()
-            report = verify_snapshot(entry.path, pool=pool)
+            report = verify_snapshot(entry.path, pool=pool, at_load=at_load)
             if report.ok and lineage is not None and report.manifest and not lineage.contains(report.manifest):
                 log(f"skipping {entry.name}: not in the current lineage")
                 continue
             if report.ok:
-                log(f"using {entry.name}: verified {report.bytes} bytes in {time.monotonic() - started:.2f}s")
+                seconds = time.monotonic() - started
+                log(f"using {entry.name}: {report.bytes} bytes, {report.checked} in {seconds:.2f}s" if report.deferred
+                    else f"using {entry.name}: verified {report.bytes} bytes in {seconds:.2f}s")
                 return report
             log(f"skipping {entry.name} ({report.status}): {'; '.join(report.problems[:3])}")
     return None

@@ -112,7 +112,7 @@ def test_ddp_ranks_stage_only_the_replicated_tensors_dcp_assigns_them(tmp_path):
 def test_manifest_names_writer_ranks_and_global_shapes_and_verify_checks_them(fsdp_reference, tmp_path):
     final = fsdp_reference / FINAL
     manifest = read_manifest(final)
-    assert manifest.schema_version == 2
+    assert manifest.schema_version == 3  # 2 added writer ranks and shapes, 3 chunk digests (test_chunk_digests.py)
     assert {f.path: f.rank for f in manifest.files if f.path.startswith("dcp/__")} == {
         "dcp/__0_0.distcp": 0, "dcp/__1_0.distcp": 1}
     assert manifest.tensors["model.0.weight"].shape == [32, 8] and manifest.tensors["model.0.weight"].dtype == "float32"

@@ -11,10 +11,16 @@ sessions of their own) and exits, so nothing of the run is
 left behind. It exits with ``os._exit`` once torchrun returns: a restart
 waits for this process, and finalising torch is slow. This is a separate
 process (it imports torch); the CLI never imports it.
+
+With warm workers (``--start-method fork --run-path runtime/warm_start.py``, see that module) the ranks
+are forked from this process: what it has loaded is frozen out of the garbage collector first (fewer
+copied pages in each rank), and torch's log line about a failed forked rank is kept without the agent's
+traceback (formatting it imports ``torch._dynamo``: seconds, on the restart's critical path).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -24,10 +30,12 @@ import psutil
 
 from ckptrun.cli.supervision.attempt import kill_all, wait_gone
 from ckptrun.cli.supervision.failures import RankFailure, from_error_file, write_failures
+from ckptrun.cli.supervision.warm_ranks import RankEnds
 from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.liveness import watch_supervisor
 
 RANKS_EXIT_S = 3.0
+FORKED_RANKS_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs a forked rank's failure with its traceback
 
 
 def _facts(global_rank: int, failure: object) -> RankFailure:
@@ -45,13 +53,17 @@ def main(argv: list[str]) -> int:
         return 2
     record, torchrun_args = Path(argv[0]), argv[1:]
     _watch_supervisor()
+    logging.getLogger(FORKED_RANKS_LOGGER).addFilter(_without_traceback)
+    ends = _forked_rank_ends(torchrun_args)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    gc.freeze()  # what is loaded now is never collected: ranks forked from here (warm workers) copy fewer pages
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as exc:
-        write_failures(record, [_facts(rank, failure) for rank, failure in sorted(exc.failures.items())])
+        failures = [_facts(rank, failure) for rank, failure in sorted(exc.failures.items())]
+        write_failures(record, ends.complete(failures) if ends is not None else failures)
         print(exc.format_msg(), file=sys.stderr, flush=True)
         return 1
     except Exception as exc:  # noqa: BLE001 - torchrun itself failed (rendezvous, bad args): record it
@@ -59,6 +71,23 @@ def main(argv: list[str]) -> int:
         print(f"torchrun failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _forked_rank_ends(torchrun_args: list[str]) -> RankEnds | None:
+    """With warm workers (``--run-path WARM_START PID_DIR …``): a watch on every forked rank's end."""
+    if "--run-path" not in torchrun_args:
+        return None
+    ends = RankEnds(Path(torchrun_args[torchrun_args.index("--run-path") + 2]))
+    ends.start()
+    return ends
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """Drop the agent's own traceback from torch's "failed (exitcode …)" line about a forked rank (warm workers):
+    torch's log formatter imports ``torch._dynamo`` to print one (seconds, on a restart's critical path), and the
+    rank's failure is recorded anyway (its error file, the failures record)."""
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _watch_supervisor() -> None:

@@ -3,7 +3,8 @@
 The tree runs in a session of its own (so a Ctrl-C reaches only the
 supervisor) and is started through :mod:`ckptrun.cli.supervision.agent`, which is torchrun
 plus a record of per-rank failures. Ranks are torchrun's direct children that
-carry ``RANK`` in their environment; data-loader workers and other
+carry ``RANK`` in their environment (a rank forked from torchrun, a warm worker,
+has its agent's: it names itself in a pid file instead); data-loader workers and other
 grandchildren are found through psutil. Teardown collects the whole tree
 *before* signalling (a dying parent orphans its children), sends SIGTERM,
 waits the grace period (a second at most once the attempt has failed) and
@@ -14,6 +15,7 @@ Importable without torch.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +23,7 @@ import sys
 import time
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Collection, Iterable, Mapping
 
 import psutil
 
@@ -32,6 +34,7 @@ if TYPE_CHECKING:  # annotations only: the agent process imports this module and
 
 RUN_ID_VARIABLE = variable("run_id")
 NODE_VARIABLE = variable("node")
+WARM_PIDS = "warm-ranks"  # in an attempt's log dir: one pid file per forked rank (runtime/warm_start.py)
 FAILED_GRACE_S = 1.0  # SIGTERM -> SIGKILL for a failed attempt's survivors (they have nothing to save)
 
 
@@ -53,18 +56,29 @@ def torchrun_args(spec: LaunchSpec, log_dir: Path) -> list[str]:
                    "--shutdown-timeout", str(max(1, int(spec.grace_period)))]
 
 
-def torchrun_command(failures_json: Path, torchrun_args: list[str], target: list[str]) -> list[str]:
-    """``python -m ckptrun.cli.supervision.agent FAILURES … torchrun args … -m ckptrun.runtime.bootstrap TARGET``."""
+def torchrun_command(failures_json: Path, torchrun_args: list[str], target: list[str],
+                     warm_pids: Path | None = None) -> list[str]:
+    """``python -m ckptrun.cli.supervision.agent FAILURES … torchrun args … -m ckptrun.runtime.bootstrap TARGET``;
+    with ``warm_pids``, ranks forked from the agent (``--start-method fork``) that run ``runtime/warm_start.py``
+    and write their pid files into that directory."""
+    start = ["-m", "ckptrun.runtime.bootstrap"] if warm_pids is None else \
+        ["--start-method", "fork", "--run-path", str(warm_start_file()), str(warm_pids)]
     return [sys.executable, "-m", "ckptrun.cli.supervision.agent", str(failures_json), *torchrun_args,
-            "--max-restarts", "0", "-m", "ckptrun.runtime.bootstrap", *target]
+            "--max-restarts", "0", *start, *target]
+
+
+def warm_start_file() -> Path:
+    """``runtime/warm_start.py``, the entry of a forked rank (found without importing it)."""
+    return Path(str(files("ckptrun.runtime").joinpath("warm_start.py")))
 
 
 class AttemptProcess:
     """The running torchrun tree of one attempt."""
 
     def __init__(self, command: list[str], env: Mapping[str, str], console_log: Path, cwd: Path | None = None,
-                 popen: subprocess.Popen | None = None) -> None:
-        """Start ``command``, or adopt ``popen``: a standby agent already given this attempt (standby.py)."""
+                 popen: subprocess.Popen | None = None, warm_pids: Path | None = None) -> None:
+        """Start ``command``, or adopt ``popen``: a standby agent already given this attempt (standby.py).
+        ``warm_pids``: the ranks are forked (warm workers) and name themselves in pid files there."""
         console_log.parent.mkdir(parents=True, exist_ok=True)
         if popen is None:
             with open(console_log, "ab") as log:
@@ -75,6 +89,7 @@ class AttemptProcess:
         self.root = psutil.Process(self.popen.pid)
         self.ranks: dict[int, psutil.Process] = {}
         self.local_world_size: int | None = None
+        self.warm_pids = warm_pids
 
     def exit_code(self) -> int | None:
         """torchrun's exit status once it has ended (negative: killed by that signal)."""
@@ -95,6 +110,12 @@ class AttemptProcess:
         return self.ranks
 
     def _adopt(self, child: psutil.Process) -> None:
+        if self.warm_pids is not None:  # a forked rank's /proc environ is its agent's: it names itself in a file
+            facts = _warm_rank(self.warm_pids, child.pid)
+            if facts is not None:
+                self.ranks[facts["rank"]] = child
+                self.local_world_size = facts["local_world_size"]
+            return
         try:
             environ = child.environ()
         except psutil.Error:
@@ -128,7 +149,8 @@ class AttemptProcess:
         unique = {p.pid: p for p in processes if p.pid != self.root.pid}
         return list(unique.values())
 
-    def teardown(self, grace: float, run_id: str, failed: bool = False, node: int | None = None) -> float:
+    def teardown(self, grace: float, run_id: str, failed: bool = False, node: int | None = None,
+                 spare: Collection[int] = ()) -> float:
         """SIGTERM the ranks and torchrun at once, wait up to ``grace``, SIGKILL the rest, sweep by run id
         (and ``node``: only that node's workers, when several nodes share a host); returns seconds.
 
@@ -150,8 +172,20 @@ class AttemptProcess:
             self.popen.kill()
             self.popen.wait()
         kill_all(alive)
-        kill_all(processes_of_run(run_id, node))
+        kill_all([p for p in processes_of_run(run_id, node) if p.pid not in spare])  # spare: the next attempt's standby
         return time.monotonic() - started
+
+
+def _warm_rank(pid_dir: Path, pid: int) -> dict[str, int] | None:
+    """The pid file (``runtime/warm_start.py``) of the forked rank ``pid``, if it has written one."""
+    for path in pid_dir.glob("rank-*.json"):
+        try:
+            facts = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(facts, dict) and facts.get("pid") == pid:
+            return {"rank": int(facts["rank"]), "local_world_size": int(facts["local_world_size"])}
+    return None
 
 
 def _running(process: psutil.Process) -> bool:

@@ -108,7 +108,7 @@ def choose(durable: Snapshot | None, memory_dir: Path, ckpt_dir: Path, run_id: s
         problem = _unusable(entry.path, lineage, run_id)
         if problem is None:
             started = time.monotonic()
-            report = verify_snapshot(entry.path)
+            report = verify_snapshot(entry.path, at_load=True)  # chunked: sizes here, digests as loaded
             if report.ok:
                 newer = f"the newest durable one (step {floor})" if durable else "any durable one (none verified)"
                 return Choice(Snapshot(entry.path, entry.step, time.monotonic() - started), "memory",

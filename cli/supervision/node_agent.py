@@ -297,7 +297,7 @@ class NodeSupervisor(Supervisor):
         self._call(self.job.ack_teardown, "end", self.world.node, code=outcome.code)
 
     def _leader_lost(self, detail: str) -> Outcome:
-        self.world.close()
+        self.world.abandon()
         self.world.event("leader_lost", detail=detail)
         self.world.say(f"lost the job's leader (node 0): {detail}; this node's ranks are down")
         return Outcome(EXIT_REQUEUE, "lost the job's leader (node 0's launcher or its host is gone)",

@@ -6,7 +6,9 @@ published snapshot of the current lineage not yet refused — and every node
 rank and ``n`` the node count, and posts its verdict. The candidate is taken
 when every share is good; a snapshot any node finds bad is skipped by all (only
 the leader's choice is ever relaunched) and the next one is named. Verify time
-falls with the node count. A node that does not answer within
+falls with the node count; with a chunked (schema 3) manifest each share is
+only a size check, since the ranks verify every byte as they load it. A node
+that does not answer within
 :data:`ANSWER_S` (lost, or its launcher is being replaced) has its share
 hashed by the leader. A follower keeps beating while it hashes, so a long
 share is not mistaken for a lost node. Importable without torch.
@@ -36,7 +38,7 @@ def verify_share(job: JobStore, attempt: int, round: int, path: Path, node: int,
     ``beat``: keep node ``node``'s heartbeat fresh meanwhile (a follower hashing its own share)."""
     started = time.monotonic()
     share = (nodes.index(node), len(nodes))
-    report = verify_snapshot(path, share=share, progress=_beating(job, node, attempt) if beat else None)
+    report = verify_snapshot(path, share=share, progress=_beating(job, node, attempt) if beat else None, at_load=True)
     mine = len(report.manifest.files[share[0]::share[1]]) if report.manifest else 0
     job.post_verify(f"{attempt}.{round}", node, report.ok, mine, time.monotonic() - started, report.problems)
     return report.ok
@@ -89,7 +91,9 @@ def choose(job: JobStore, attempt: int, ckpt_dir: Path, nodes: list[int], me: in
         problems = _verify_round(job, attempt, round, entry.path, nodes, me)
         if not problems:
             seconds = time.monotonic() - started
-            say(f"using {entry.name}: {len(nodes)} nodes verified {manifest.total_bytes} bytes in {seconds:.2f}s")
+            say(f"using {entry.name}: {len(nodes)} nodes checked manifest and sizes of {manifest.total_bytes} bytes in "
+                f"{seconds:.2f}s; digests verified as loaded" if manifest.verified_as_loaded else
+                f"using {entry.name}: {len(nodes)} nodes verified {manifest.total_bytes} bytes in {seconds:.2f}s")
             return Snapshot(entry.path, entry.step, seconds)
         say(f"skipping {entry.name}: {'; '.join(problems[:3])}")
     return None

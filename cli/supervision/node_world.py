@@ -170,10 +170,18 @@ class NodeWorld(LocalWorld):
         except StoreUnreachable:
             pass
 
+    def abandon(self) -> None:
+        """The leader is gone: this node's ranks have no peers left to save with (a stop's save would wait on
+        a collective forever), so they get the failed attempt's short grace, not the stop grace."""
+        if self.process is not None and self.process.exit_code() is None:
+            self.teardown(failed=True)
+        self.close()
+
     def teardown(self, failed: bool = False) -> float:
         """This node's tree only: the sweep matches (run id, node), not other nodes' ranks on a shared host."""
         process = self._process()
-        seconds = process.teardown(self.spec.grace_period, self.run_id, failed, node=self.node)
+        seconds = process.teardown(self.spec.grace_period, self.run_id, failed, node=self.node,
+                                   spare=self.standby.waiting_pids())
         self._link_rank_logs()
         self._stop_rank_output()
         return seconds

@@ -180,7 +180,7 @@ def _newest(ckpt_dir: Path, spec: LaunchSpec | None = None, run_dir: Path | None
             records.log_event(run_dir, "restore_source", **choice.event_fields())
         return Snapshot(choice.path, choice.step, time.monotonic() - started)
     started = time.monotonic()
-    report = newest_verified(ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+    report = newest_verified(ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), at_load=True)
     if report is None:
         raise CkptrunError(f"no verified snapshot in {ckpt_dir}",
                            "there is nothing to resume from: launch the run again (`ckptrun launch ...` with a new --name)")

@@ -1,6 +1,8 @@
 """Which snapshot the supervisor restarts from, for a local checkpoint dir or an object store.
 
-Local: the newest snapshot of the lineage that verifies (:func:`runtime.verify.newest_verified`).
+Local: the newest snapshot of the lineage that verifies (:func:`runtime.verify.newest_verified`): for a
+chunked (schema 3) manifest only manifest and sizes are checked here, because the workers verify every
+byte they load as they read it; older snapshots are hashed whole.
 Object store: the newest committed manifest of the line, loaded from the
 verified local copy when it is the same snapshot, else downloaded into the
 local directory with every object hashed (:mod:`ckptrun.runtime.tiering`); a
@@ -48,7 +50,7 @@ class SnapshotSource:
     def newest(self) -> Snapshot | None:
         started = time.monotonic()
         if self.remote is None:
-            report = newest_verified(self.ckpt_dir, log=self.say)
+            report = newest_verified(self.ckpt_dir, log=self.say, at_load=True)
             return Snapshot(report.path, report.step, time.monotonic() - started) if report else None
         try:
             choice = choose(self.remote, self.ckpt_dir, self.say, self.refused, self.retry)
@@ -63,7 +65,7 @@ class SnapshotSource:
         """The step :meth:`newest` would restore, from the store's listing and manifests (nothing downloaded);
         locally, the newest verified snapshot's."""
         if self.remote is None:
-            report = newest_verified(self.ckpt_dir, log=self.say)
+            report = newest_verified(self.ckpt_dir, log=self.say, at_load=True)
             return report.step if report else None
         try:
             candidates, _ = listed_candidates(self.remote, self.refused, self.retry, self.say)

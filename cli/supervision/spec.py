@@ -101,6 +101,7 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     restart_backoff: float = Field(1.0, ge=0, description="Seconds before the second restart (none before the first); doubles per restart.")
     restart_backoff_cap: float = Field(60.0, ge=0, description="Longest wait between restarts.")
     standby: bool = Field(True, description="Pre-start the next attempt's torchrun agent while this one trains (a warm standby): a restart skips its start-up.")
+    warm_workers: bool = Field(True, description="Fork the ranks from the torchrun agent, past `import torch` (torchrun --start-method fork); off: a new interpreter per rank, for a script that does not tolerate fork.")
     heartbeat_timeout: float = Field(300.0, gt=0, description="A training rank silent this long is hung.")
     startup_timeout: float = Field(600.0, gt=0, description="Allowance for start-up and restore (phases init/restore).")
     save_timeout: float = Field(900.0, gt=0, description="Allowance for one snapshot save (phase save).")

@@ -3,9 +3,8 @@
 Starting an attempt's agent (a new interpreter importing ``torch.distributed.run``)
 was the largest piece of a restart after the workers' own start-up. While
 attempt N trains, the supervisor starts attempt N+1's agent as
-``python -m ckptrun.cli.supervision.standby RUN_ID`` (the id only names the
-process; its environment carries no ``CKPTRUN_*``, so the teardown's sweep of
-attempt N leaves it alone): it imports torchrun and the agent, then blocks
+``python -m ckptrun.cli.supervision.standby RUN_ID [--warm]``: it imports torchrun and the agent (with
+``--warm``, for warm workers, the runtime too: the ranks it forks inherit every import), then blocks
 on one JSON line on its stdin — the *go* — carrying all that is
 attempt-specific: the agent's argv (failures file, torchrun flags with a fresh
 rendezvous, the target), the whole environment (C1: attempt number, the
@@ -14,6 +13,11 @@ attempt's console log. On *go* it takes them on and runs
 :func:`ckptrun.cli.supervision.agent.main`, exactly as a freshly started agent
 would. The supervisor still tears attempt N down, counts the restart and
 verifies the snapshot first; the standby only skips the start-up.
+
+Of the run's C1 environment a standby carries, from its start, only the run's identity (run id and node):
+a forked rank's ``/proc`` environment is the one its agent was started with, and the teardown's sweep
+finds a run's processes by that identity. The sweep of attempt N spares the standby waiting for N+1
+(:meth:`StandbyKeeper.waiting_pids`).
 
 No orphans: the go pipe's only writer is the supervisor, so when the
 supervisor dies (even SIGKILLed) the standby reads end-of-file and exits; after
@@ -34,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import psutil
+
 from ckptrun.cli.supervision.attempt import AttemptProcess
 from ckptrun.runtime.env import PREFIX
 
@@ -44,11 +50,12 @@ STANDBY_MODULE = "ckptrun.cli.supervision.standby"
 class Standby:
     """The supervisor's handle on one pre-started agent process (see the module docstring)."""
 
-    def __init__(self, env: Mapping[str, str], log: Path, run_id: str, cwd: Path | None = None) -> None:
+    def __init__(self, env: Mapping[str, str], log: Path, run_id: str, cwd: Path | None = None, warm: bool = False) -> None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as stream:  # the run id in argv names it (its environment carries no CKPTRUN_*)
-            self.popen = subprocess.Popen([sys.executable, "-m", STANDBY_MODULE, run_id], env=dict(env), stdin=subprocess.PIPE,
-                                          stdout=stream, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        argv = [sys.executable, "-m", STANDBY_MODULE, run_id, *(["--warm"] if warm else [])]  # the run id names it
+        with open(log, "ab") as stream:
+            self.popen = subprocess.Popen(argv, env=dict(env), stdin=subprocess.PIPE, stdout=stream,
+                                          stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
         self.started = time.time()
 
     @property
@@ -88,19 +95,27 @@ class Standby:
 class StandbyKeeper:
     """One node's standby: pre-started once an attempt trains, used by the next launch, dismissed at the end."""
 
-    def __init__(self, enabled: bool, run_id: str, log: Path, event: Callable[..., None]) -> None:
-        self.enabled, self.run_id, self.log, self.event = enabled, run_id, log, event
+    def __init__(self, enabled: bool, run_id: str, log: Path, event: Callable[..., None], warm: bool = False) -> None:
+        self.enabled, self.run_id, self.log, self.event, self.warm = enabled, run_id, log, event, warm
         self.standby: Standby | None = None
 
-    def prepare(self) -> None:
+    def prepare(self, identity: Mapping[str, str]) -> None:
         """Pre-start the next attempt's agent unless one waits already (called once the attempt trains, so
-        that its imports do not compete with the attempt's own start-up)."""
+        that its imports do not compete with the attempt's own start-up). ``identity``: the run id and node
+        variables of C1, all of it the standby carries until its word."""
         if self.enabled and self.standby is None:
             env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
-            self.standby = Standby({**env, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED") or "1"}, self.log, self.run_id)
+            env.update({**identity, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED") or "1"})
+            self.standby = Standby(env, self.log, self.run_id, warm=self.warm)
 
-    def start(self, attempt: int, command: list[str], env: Mapping[str, str], console_log: Path) -> AttemptProcess:
-        """The attempt's process tree: the waiting standby given its word, else a fresh agent."""
+    def waiting_pids(self) -> set[int]:
+        """The standby waiting for the next attempt: an attempt's teardown must not sweep it."""
+        return {self.standby.pid} if self.standby is not None else set()
+
+    def start(self, attempt: int, command: list[str], env: Mapping[str, str], console_log: Path,
+              warm_pids: Path | None = None) -> AttemptProcess:
+        """The attempt's process tree: the waiting standby given its word, else a fresh agent (``warm_pids``:
+        see :class:`AttemptProcess`)."""
         standby, self.standby = self.standby, None
         if standby is not None and standby.waiting():
             console_log.parent.mkdir(parents=True, exist_ok=True)
@@ -110,10 +125,10 @@ class StandbyKeeper:
                 standby.dismiss()
             else:
                 self.event("standby_used", attempt=attempt, pid=popen.pid, waited_s=round(time.time() - standby.started, 3))
-                return AttemptProcess(command, env, console_log, popen=popen)
+                return AttemptProcess(command, env, console_log, popen=popen, warm_pids=warm_pids)
         elif standby is not None:
             standby.dismiss()
-        return AttemptProcess(command, env, console_log)
+        return AttemptProcess(command, env, console_log, warm_pids=warm_pids)
 
     def close(self) -> None:
         """The run is over (or the supervisor is leaving): no standby outlives it."""
@@ -142,12 +157,17 @@ def _take_over(word: dict[str, Any]) -> None:
         os.chdir(word["cwd"])
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    started = psutil.Process().create_time()
     # The costly part, done before the word: torchrun (and with it torch) and the agent.
     import torch.distributed.run  # noqa: F401
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: F401
 
     from ckptrun.cli.supervision import agent
+
+    if "--warm" in argv:  # the ranks are forked from here: the runtime a script imports, loaded once for all
+        warm_imports()
+    print(f"ckptrun standby: ready {time.time() - started:.2f}s after its start", flush=True)
 
     line = sys.stdin.readline()
     if not line.strip():
@@ -158,7 +178,20 @@ def main() -> int:
     return agent.main(word["argv"])
 
 
+def warm_imports() -> None:
+    """What a warm rank would import first: the bootstrap, and the runtime a ckptrun script loads at ``init()``
+    (a plain script's ranks inherit it unused). No thread is started by these imports (fork safety). The
+    bootstrap last: what is loaded before it does not count as the script's use of the runtime.
+    ``torch._inductor.config`` is what ``torch.use_deterministic_algorithms`` imports (torch._dynamo, sympy):
+    the largest part of ``init()`` in a rank that did not have it."""
+    import torch._inductor.config  # noqa: F401
+
+    import ckptrun.runtime.data  # noqa: F401
+    import ckptrun.runtime.startup  # noqa: F401
+    import ckptrun.runtime.bootstrap  # noqa: F401
+
+
 if __name__ == "__main__":
     from ckptrun.cli.supervision.agent import leave
 
-    leave(main())
+    leave(main(sys.argv[2:]))

@@ -21,7 +21,8 @@ import psutil
 
 from ckptrun.cli.durations import format_duration
 from ckptrun.cli.progress import Progress, Status
-from ckptrun.cli.supervision.attempt import AttemptProcess, torchrun_args, torchrun_command
+from ckptrun.cli.supervision.attempt import (NODE_VARIABLE, RUN_ID_VARIABLE, WARM_PIDS, AttemptProcess, torchrun_args,
+                                              torchrun_command)
 from ckptrun.cli.supervision.failures import CONSOLE_NAME, FAILURES_NAME, RankFailure, rank_log, read_failures, stderr_tail
 from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot
 from ckptrun.cli.supervision.policy import STACK_WAIT_S
@@ -81,7 +82,9 @@ class LocalWorld:
         self.target, self.progress = target, progress
         self.attempt = 0
         self.process: AttemptProcess | None = None
-        self.standby = StandbyKeeper(spec.standby, run_id, paths.logs / "standby.log", self.event)
+        self.warm = spec.warm_workers and spec.nproc_per_node.isdigit()  # gpu/auto: torchrun probes devices first
+        self.standby = StandbyKeeper(spec.standby, run_id, paths.logs / "standby.log", self.event, warm=self.warm)
+        self.identity: dict[str, str] = {}  # the run id and node of C1: what a standby carries from its start
         self.rank_output: RankOutput | None = None
         self.show_ranks = selector(spec.ranks_output)
         self.cadence_told = False
@@ -135,11 +138,13 @@ class LocalWorld:
         env.update(self.run_env(attempt, resume_from).to_env())
         # console.log gets [rankN]: lines as they are printed (prints reach a file, not a terminal: unbuffered)
         env.update({PREFIX_VARIABLE: PREFIX_TEMPLATE, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED") or "1"})
-        command = torchrun_command(log_dir / FAILURES_NAME, torchrun_args(self.spec, log_dir), self.target)
+        warm_pids = log_dir / WARM_PIDS if self.warm else None  # ranks forked from the agent (runtime/warm_start.py)
+        command = torchrun_command(log_dir / FAILURES_NAME, torchrun_args(self.spec, log_dir), self.target, warm_pids)
+        self.identity = {k: env[k] for k in (RUN_ID_VARIABLE, NODE_VARIABLE) if k in env}
         self._stop_rank_output()
         if self.show_ranks is not None:
             self.rank_output = RankOutput(log_dir / CONSOLE_NAME, self.show_ranks, self.progress.echo)
-        self.process = self.standby.start(attempt, command, env, log_dir / CONSOLE_NAME)
+        self.process = self.standby.start(attempt, command, env, log_dir / CONSOLE_NAME, warm_pids)
 
     # --- observing ---
 
@@ -150,8 +155,8 @@ class LocalWorld:
         for rank in process.discover_ranks():
             obs.ranks[rank] = RankView(alive=process.alive(rank), beat=beats.get(rank))
         self._read_tails()
-        if self.first_step_time is not None:
-            self.standby.prepare()  # the next attempt's agent, warm while this one trains
+        if self.first_step_time is not None or (self.attempt == 1 and obs.ranks):  # no restart's RTO to slow down
+            self.standby.prepare(self.identity)  # the next attempt's agent, warm while this one trains
         obs.steps, self.new_steps = self.new_steps, []
         obs.snapshot_step = self.attempt_snapshot
         obs.rto_estimate = self.estimates.pop(0) if self.estimates else None
@@ -228,7 +233,7 @@ class LocalWorld:
         return {r: _read_from(logs[r], sizes[r]) for r in ranks}
 
     def teardown(self, failed: bool = False) -> float:
-        seconds = self._process().teardown(self.spec.grace_period, self.run_id, failed)
+        seconds = self._process().teardown(self.spec.grace_period, self.run_id, failed, spare=self.standby.waiting_pids())
         self._link_rank_logs()
         self._stop_rank_output()
         return seconds
