@@ -41,5 +41,6 @@ def test_patched_stock_script_survives_a_kill_on_two_ranks(tmp_path):
     assert [e["step"] for e in read_events(run_dir, "restored")] == [8]
     first, second = losses_by_attempt(run_dir)[1], losses_by_attempt(run_dir)[2]
     assert sorted(second) == list(range(9, 25))
-    assert [first[s] for s in range(9, 14)] == [second[s] for s in range(9, 14)], "replayed steps are bitwise equal"
+    replayed = [s for s in range(9, 14) if s in first]  # the kill may take the last unshared batch of lines with it
+    assert replayed and [first[s] for s in replayed] == [second[s] for s in replayed], "replayed steps are bitwise equal"
     assert "step 20 loss" in resumed.stdout

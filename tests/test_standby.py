@@ -141,13 +141,16 @@ def test_a_hung_warm_rank_is_dumped_and_killed_and_a_sigkilled_supervisor_leaves
     hung = warm_ranks(run_dir, 1)[0]
     assert not pid_alive(hung)
     ranks = wait_for(lambda: warm_ranks(run_dir, 2), timeout=60, what="attempt 2's forked rank")
-    waiting = wait_for(lambda: standbys(run_dir), timeout=90, what=f"a standby for attempt 3: {log}")
+    ready = run_dir / "logs" / "standby.log"  # attempt 2's standby said it once, the one for attempt 3 says it again
+    wait_for(lambda: tail(ready).count("ckptrun standby: ready") >= 2, timeout=90, what=f"a standby for attempt 3: {log}")
+    waiting = standbys(run_dir)  # it, attempt 2's agent (once a standby) and what that forked: the same command line
     family = [psutil.Process(pid) for pid in ranks.values()]
     family += [child for rank in family for child in rank.children(recursive=True)]  # its data-loader worker
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=10)
     wait_for(lambda: not any(alive(p) for p in family + waiting), timeout=20, what="the forked rank and the standby to exit")
-    assert not standbys(run_dir), tail(log)
+    # forked processes show the standby's command line: a loader worker started after `family` was read goes too
+    wait_for(lambda: not standbys(run_dir), timeout=20, what=f"every process forked from the standby to exit: {log}")
     assert_no_processes(run_dir, within=20)
 
 

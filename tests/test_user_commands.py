@@ -52,6 +52,8 @@ def recovered(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     try:
         launch = ckptrun("launch", "--config", "ckptrun.toml", "--run-dir", "runs/demo", "--save-every-steps", "5",
                          "--inject-fault", "kill:rank=1:step=12", "--restart-backoff", "0",
+                         # facts shared every step: the killed attempt's lines 11-12 exist for the report's replay
+                         "--decision-every-steps", "1",
                          "--", "--steps", "20", "--num-workers", "0", "--hidden", HIDDEN, cwd=project, timeout=240)
     finally:
         cleanup.close()
