@@ -42,6 +42,7 @@ Usage (what torchrun runs): ``warm_start.py PID_DIR (SCRIPT | -m MODULE) [ARGS..
 
 from __future__ import annotations
 
+import contextlib
 import atexit
 import json
 import os
@@ -124,10 +125,8 @@ def hide_sentinel_from_forks() -> None:
     def close() -> None:
         if os.getppid() != rank_pid:  # a grandchild: its parent closed it already, the number may be another file's
             return
-        try:
+        with contextlib.suppress(OSError):  # already closed
             os.close(sentinel)
-        except OSError:
-            pass
 
     os.register_at_fork(after_in_child=close)
 
@@ -141,10 +140,8 @@ def post_success_on_quiet_exit() -> Callable[[], None]:
 
     def exit_posting(code: int) -> None:
         if code == 0 and os.getpid() == rank_pid:  # not a process the rank forked (a data-loader worker)
-            try:
+            with contextlib.suppress(Exception):  # leaving must not fail
                 queue.put(None)
-            except Exception:  # noqa: BLE001 - leaving must not fail
-                pass
         real_exit(code)
 
     os._exit = exit_posting  # type: ignore[assignment]

@@ -15,6 +15,7 @@ leader's restore copy would not exist on the other hosts. torch is imported
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import uuid
@@ -135,15 +136,13 @@ def _pick_snapshot(paths: NodePaths, settings: NodeSettings, record: RunRecord, 
 def _tell_others(job: JobStore, settings: NodeSettings, exc: CkptrunError, wait_s: float) -> None:
     """Publish the leader's refusal as the job's verdict and give the joined nodes a moment to read it."""
     others = [n for n in range(settings.max_nodes) if n != settings.node_rank]
-    try:
+    with contextlib.suppress(StoreUnreachable):  # the store is gone: there is nobody left to tell
         job.set_verdict("gave_up", exc.exit_code, exc.message, hint=exc.hint, restarts=0)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if set(others) <= set(job.teardown_acks("end", others)):  # every other node read it
                 return
             time.sleep(JOIN_POLL_S)
-    except StoreUnreachable:
-        pass
 
 
 def _join(paths: NodePaths, settings: NodeSettings, own_ckpt_dir: Path | None,

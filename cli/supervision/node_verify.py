@@ -16,6 +16,7 @@ share is not mistaken for a lost node. Importable without torch.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -63,9 +64,8 @@ def _beating(job: JobStore, node: int, attempt: int) -> Callable[[int], None]:
             return
         try:
             last[0] = time.monotonic()
-            job.beat(node, attempt=attempt, state="verifying")
-        except StoreUnreachable:
-            pass
+            with contextlib.suppress(StoreUnreachable):  # a missed beat; the verify goes on
+                job.beat(node, attempt=attempt, state="verifying")
         finally:
             lock.release()
 
