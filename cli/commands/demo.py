@@ -60,7 +60,7 @@ def render(summary: dict[str, Any]) -> str:
         f"  failure detected : {failure.get('cause', 'none')} of rank {failure.get('rank')} "
         f"({failure.get('signal') or failure.get('exit_code')}) at step {failure.get('step')}",
         f"  restarts         : {summary['restarts']}",
-        f"  snapshot used    : step {restart.get('snapshot_step')} (verified before relaunch), "
+        f"  snapshot used    : step {restart.get('snapshot_step')} (manifest and sizes checked before relaunch, every byte verified as loaded), "
         f"{restart.get('lost_steps')} steps redone",
         "  recovery (RTO)   : " + ", ".join(f"{p[:-2]} {_seconds(restart.get(p))}" for p in RTO_PARTS),
         "    relaunch parts : " + ", ".join(f"{p[:-2]} {_seconds(restart.get(p))}" for p in RELAUNCH_PARTS),
