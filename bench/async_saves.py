@@ -15,6 +15,10 @@ Per repeat, interleaved, on the same model + AdamW state in this process
   stepping in this process: its median step time ÷ its median step time alone
   just before and just after, is the ``*train_slowdown_during_persist`` figure; the time
   from the call's return until the snapshot is published is ``*persist_s``;
+* ``*train_lost_during_persist_s`` — the loop's step time during the persist beyond what the
+  same steps take alone: the training seconds one save costs. A slowdown is a rate over the
+  persist's window, so a writer that takes longer at a lower rate scores better on it for the
+  same seconds lost; this figure compares savers whose persists differ in length;
 * ``persist_idle_s`` — ckptrun's persist with nothing running alongside.
 """
 
@@ -160,7 +164,8 @@ def _trial(variant: Variant, loop: ProbeLoop, alone_s: float) -> Callable[[], di
         # drifts during the trial (other processes on a shared machine) moves both sides alike
         alone = statistics.median(before + loop.for_seconds(alone_s / 2))
         return {f"{variant.name}.stall": stall, f"{variant.name}.persist": persist,
-                f"{variant.name}.slowdown": statistics.median(during) / alone, f"{variant.name}.alone": alone}
+                f"{variant.name}.slowdown": statistics.median(during) / alone, f"{variant.name}.alone": alone,
+                f"{variant.name}.lost": sum(during) - len(during) * alone}
 
     return run
 
@@ -203,6 +208,7 @@ KEYS = {  # variant -> (stall key, persist key, slowdown key)
     "dcp_process": ("dcp_async_block_process_s", "dcp_persist_process_s", "dcp_train_slowdown_during_persist_process"),
     "dcp_bgstaging": ("dcp_async_stall_bgstaging_s", "dcp_persist_bgstaging_s", "dcp_train_slowdown_during_persist_bgstaging"),
 }
+LOST = {name: slowdown.replace("slowdown", "lost") + "_s" for name, (_, _, slowdown) in KEYS.items()}
 NOTES = {
     "save_stall_s": "state_dict + split + rng capture + Saver.begin (preflight, stage); no fence on CPU",
     "dcp_async_block_s": "dcp.async_save call, FileSystemWriter's own staging (fresh buffers)",
@@ -228,12 +234,13 @@ def measure(state: BigState, scratch: Path, repeats: int, alone_s: float = 0.3) 
     figures = {"staging_floor_s": Figure(samples["floor"], "s", MEMORY, note="copy into existing buffers")}
     for name, (stall, persist, slowdown) in KEYS.items():
         if name in errors:
-            for key in (stall, persist, slowdown):
+            for key in (stall, persist, slowdown, LOST[name]):
                 figures[key] = failed(errors[name], "s" if key.endswith("_s") else "x")
             continue
         figures[stall] = Figure(samples[f"{name}.stall"], "s", MEMORY, note=NOTES.get(stall, ""))
         figures[persist] = Figure(samples[f"{name}.persist"], "s", WRITTEN, note=NOTES.get(persist, ""))
         figures[slowdown] = Figure(samples[f"{name}.slowdown"], "x", NA, note=NOTES.get(slowdown, ""))
+        figures[LOST[name]] = Figure(samples[f"{name}.lost"], "s", NA, note="training seconds the persist cost the loop")
     if "persist_idle_s" in samples:
         figures["persist_idle_s"] = Figure(samples["persist_idle_s"], "s", WRITTEN, note="as persist_s, with no training alongside")
     if "ckptrun.alone" in samples:

@@ -69,6 +69,9 @@ GOALS = [
 ISSUE_13 = [
     Goal("template step with / without the runtime (1 rank, template_ab_ratio)", "template_ab_ratio", None, 1.02),
     Goal("template step with / without the runtime (2 ranks, template_ab_ratio_w2)", "template_ab_ratio_w2", None, 1.02),
+    Goal("template step CPU with / without the runtime (1 rank, template_ab_cpu_ratio)", "template_ab_cpu_ratio", None, 1.02),
+    Goal("template step CPU with / without the runtime (2 ranks, template_ab_cpu_ratio_w2)", "template_ab_cpu_ratio_w2",
+         None, 1.02),
     Goal("per-step runtime work / template step (2 ranks, runtime_overhead)", "runtime_overhead", None, 0.01),
     Goal("restore / torch.load (sha256, evicted)", "restore_s", "torch_load_s", 1.3),
     Goal("sync save / torch.save + fsync", "save_total_s", "torch_save_s", 1.1),

@@ -37,11 +37,14 @@ parser.add_argument("--num-workers", type=int, default=2)
 parser.add_argument("--max-norm", type=float, default=1.0)
 parser.add_argument("--ema-decay", type=float, default=0.99)
 parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms, as the runtime's default")
 parser.add_argument("--out", required=True, help="JSON file for the per-step times")
 args = parser.parse_args()
 
 if args.threads:
     torch.set_num_threads(args.threads)
+if args.deterministic:
+    torch.use_deterministic_algorithms(True)
 distributed = "RANK" in os.environ
 if distributed:
     dist.init_process_group("gloo")

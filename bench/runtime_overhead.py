@@ -23,7 +23,12 @@ Three views, measured in the same run:
   (warm-up, the first-step precision report) are left out. Both sides run
   torch with one thread per rank: on a shared 2-core machine two OpenMP
   threads stall at every barrier another process preempts, which buries a 2%
-  difference in noise.
+  difference in noise. Both arms are timed by the same stopwatch
+  (``step_clock.py``: torch's optimizer-step hook, wall and process CPU per
+  step) and run with the same determinism (``plain_job.py --deterministic``,
+  the runtime's default): before, each arm timed itself its own way and only
+  the template ran deterministic. ``template_ab_cpu_ratio[_w2]`` compare CPU
+  seconds per step, which other processes on a loaded machine barely move.
 """
 
 from __future__ import annotations
@@ -55,28 +60,37 @@ def _job_env(run_dir: Path) -> dict[str, str]:
     return {**os.environ, **env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(THREADS)}
 
 
-def template_step(scratch: Path, steps: int, index: list[int], ranks: int = 1, chosen: list[int] | None = None) -> float:
-    """The template's median step; ``chosen`` collects the N its ``decision_every_steps=auto`` chose."""
-    from ckptrun.runtime.records import read_events, read_metrics
+def _clocked(clock: Path) -> tuple[float, float]:
+    """Median wall and CPU seconds per step (steps > WARMUP) of rank 0, from ``step_clock.py``."""
+    steps = json.loads(clock.with_name(clock.name + ".rank0.json").read_text())
+    return statistics.median(steps["wall_s"][WARMUP:]), statistics.median(steps["cpu_s"][WARMUP:])
+
+
+def template_step(scratch: Path, steps: int, index: list[int], ranks: int = 1, chosen: list[int] | None = None) -> tuple[float, float]:
+    """The template's median step, wall and CPU; ``chosen`` collects the N its ``decision_every_steps=auto`` chose."""
+    from ckptrun.runtime.records import read_events
 
     index[0] += 1
     run_dir = scratch / f"template-{index[0]}"
     launcher = TORCHRUN if ranks > 1 else [sys.executable]
-    command = [*launcher, "-m", "ckptrun.templates.default_job", "--steps", str(steps)]
+    clock = scratch / f"template-clock-{index[0]}"
+    command = [*launcher, str(HERE / "step_clock.py"), "--out", str(clock), "-m", "ckptrun.templates.default_job",
+               "--steps", str(steps)]
     subprocess.run(command, env=_job_env(run_dir), check=True, capture_output=True, cwd=scratch)
-    times = [m["step_time_s"] for m in read_metrics(run_dir) if m.get("step", 0) > WARMUP]
     if chosen is not None:
         chosen.extend([e["every_steps"] for e in read_events(run_dir, "decision_cadence")][-1:])  # the N it ended with
-    return statistics.median(times)
+    return _clocked(clock)
 
 
-def plain_step(scratch: Path, steps: int, ranks: int = 1) -> float:
-    out = scratch / "plain-steps.json"
+def plain_step(scratch: Path, steps: int, ranks: int = 1) -> tuple[float, float]:
+    """plain_job.py's median step, wall and CPU, deterministic as the runtime's default (``RunEnv.deterministic``)."""
+    clock = scratch / "plain-clock"
     launcher = TORCHRUN if ranks > 1 else [sys.executable]
-    command = [*launcher, str(HERE / "plain_job.py"), "--steps", str(steps), "--out", str(out), "--threads", str(THREADS)]
+    command = [*launcher, str(HERE / "step_clock.py"), "--out", str(clock), str(HERE / "plain_job.py"), "--steps", str(steps),
+               "--out", str(scratch / "plain-steps.json"), "--threads", str(THREADS), "--deterministic"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(THREADS)}
     subprocess.run(command, check=True, capture_output=True, cwd=scratch, env=env)
-    return statistics.median(json.loads(out.read_text())["step_time_s"][WARMUP:])
+    return _clocked(clock)
 
 
 def per_call_costs(run_dir: Path) -> dict[str, float]:
@@ -133,10 +147,11 @@ def measure(scratch: Path, repeats: int, steps: int, sync_all_reduce_s: list[flo
     scratch.mkdir(parents=True, exist_ok=True)
     index, chosen = [0], []
     ab = interleave(repeats, {
-        "with": lambda: {"template_step_s": template_step(scratch, steps, index)},
-        "without": lambda: {"plain_step_s": plain_step(scratch, steps)},
-        "with_w2": lambda: {"template_step_w2_s": template_step(scratch, steps, index, ranks=2, chosen=chosen)},
-        "without_w2": lambda: {"plain_step_w2_s": plain_step(scratch, steps, ranks=2)},
+        "with": lambda: dict(zip(("template_step_s", "template_cpu_step_s"), template_step(scratch, steps, index))),
+        "without": lambda: dict(zip(("plain_step_s", "plain_cpu_step_s"), plain_step(scratch, steps))),
+        "with_w2": lambda: dict(zip(("template_step_w2_s", "template_cpu_step_w2_s"),
+                                    template_step(scratch, steps, index, ranks=2, chosen=chosen))),
+        "without_w2": lambda: dict(zip(("plain_step_w2_s", "plain_cpu_step_w2_s"), plain_step(scratch, steps, ranks=2))),
     })
     calls = interleave(repeats, {"calls": lambda: per_call_costs(scratch / "records")})
     every = str(round(statistics.median(chosen))) if chosen else "auto"  # the N the 2-rank template ran with
@@ -157,13 +172,21 @@ def measure(scratch: Path, repeats: int, steps: int, sync_all_reduce_s: list[flo
         figures[key] = Figure(work[key], "s", NA, world_size=2, note=f"{part}: mean per step (timed pass)")
         figures[f"share_{part}"] = Figure(ratio_samples(work[key], work["timed_per_step_s"]), "x", NA, world_size=2,
                                           note=f"{part} / the timed pass's total per step")
-    figures["template_step_s"] = Figure(ab["template_step_s"], "s", NA, note=f"default template, python, {THREADS} thread, {steps} steps, median of steps > {WARMUP}")
-    figures["plain_step_s"] = Figure(ab["plain_step_s"], "s", NA, note="bench/plain_job.py, same job without ckptrun")
+    figures["template_step_s"] = Figure(ab["template_step_s"], "s", NA, note=f"default template, python, {THREADS} thread, {steps} steps, median of steps > {WARMUP} (step_clock.py)")
+    figures["plain_step_s"] = Figure(ab["plain_step_s"], "s", NA, note="bench/plain_job.py --deterministic, same job without ckptrun")
     figures["template_ab_ratio"] = Figure(ratio_samples(ab["template_step_s"], ab["plain_step_s"]), "x", NA, note="template_step_s / plain_step_s per repeat")
     figures["template_step_w2_s"] = Figure(ab["template_step_w2_s"], "s", NA, world_size=2, note="the template under torchrun, 2 ranks, DDP over gloo")
     figures["plain_step_w2_s"] = Figure(ab["plain_step_w2_s"], "s", NA, world_size=2, note="plain_job.py under torchrun, 2 ranks, DDP over gloo")
     figures["template_ab_ratio_w2"] = Figure(ratio_samples(ab["template_step_w2_s"], ab["plain_step_w2_s"]), "x", NA, world_size=2,
                                              note="template_step_w2_s / plain_step_w2_s per repeat")
+    for suffix, world in (("", 1), ("_w2", 2)):  # CPU seconds: what the step costs, barely moved by other processes
+        figures[f"template_cpu_step{suffix}_s"] = Figure(ab[f"template_cpu_step{suffix}_s"], "s", NA, world_size=world,
+                                                         note="rank 0's process CPU per step (step_clock.py)")
+        figures[f"plain_cpu_step{suffix}_s"] = Figure(ab[f"plain_cpu_step{suffix}_s"], "s", NA, world_size=world,
+                                                      note="the same for plain_job.py")
+        figures[f"template_ab_cpu_ratio{suffix}"] = Figure(
+            ratio_samples(ab[f"template_cpu_step{suffix}_s"], ab[f"plain_cpu_step{suffix}_s"]), "x", NA, world_size=world,
+            note=f"template_cpu_step{suffix}_s / plain_cpu_step{suffix}_s per repeat")
     figures["runtime_overhead"] = Figure(ratio_samples(work["runtime_per_step_s"], ab["template_step_w2_s"]), "x", NA, world_size=2,
                                          note="runtime_per_step_s / template_step_w2_s per repeat")
     return figures

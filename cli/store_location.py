@@ -37,11 +37,11 @@ def location(text: str | Path) -> Path | StoreUrl:
         raise CkptrunError(str(exc), exc.hint, EXIT_REFUSED) from None
 
 
-def open_store(url: str, options: dict[str, Any] | None = None) -> FsspecStore:
+def open_store(url: str, options: dict[str, Any] | None = None, run_id: str | None = None) -> FsspecStore:
     parsed = location(url)
     if not isinstance(parsed, StoreUrl):
         raise CkptrunError(f"{url} is not an object-store URL", "pass s3://BUCKET/PREFIX or another fsspec URL")
-    return FsspecStore(parsed, options)
+    return FsspecStore(parsed, options, run_id)  # run_id: list, chain and restore only that run's snapshots
 
 
 def split_spec(data: dict[str, Any]) -> dict[str, Any]:
@@ -120,11 +120,11 @@ def local_dir(store_url: str | None, cache_dir: Path | None, ckpt_dir: Path | No
     return ckpt_dir if ckpt_dir is not None else run_dir / "checkpoints"
 
 
-def store_of(spec: Any) -> FsspecStore | None:
-    """The object store a launch spec names (None for a local run)."""
+def store_of(spec: Any, run_id: str | None = None) -> FsspecStore | None:
+    """The object store a launch spec names (None for a local run), bound to run ``run_id`` when given."""
     if spec is None or getattr(spec, "store_url", None) is None:
         return None
-    return open_store(spec.store_url, merge_options(spec.store_options, spec.store_secrets))
+    return open_store(spec.store_url, merge_options(spec.store_options, spec.store_secrets), run_id)
 
 
 def store_of_run(run_dir: Path) -> FsspecStore | None:

@@ -181,7 +181,8 @@ class SafeReader(FileSystemReader):
         for name, requests in by_file.items():
             order = sorted(requests, key=lambda index: self.storage_data[index].offset)
             spans = [Span(self.storage_data[i].offset, self.storage_data[i].length, f"tensor {i.fqn!r}") for i in order]
-            for (_, data), index in zip(read_spans(dcp_dir / name, spans, _chunk_index(manifest, dcp_dir, name)), order):
+            read = read_spans(dcp_dir / name, spans, _chunk_index(manifest, dcp_dir, name), _allocate)
+            for (_, data), index in zip(read, order):
                 stored = _load_in_place(data)
                 if not isinstance(stored, torch.Tensor):
                     raise UnsafeMetadataError(f"DCP item {index.fqn!r} does not hold a tensor")
@@ -205,6 +206,12 @@ class SafeReader(FileSystemReader):
         else:
             target.detach().copy_(piece)
         planner.commit_tensor(request, target)
+
+
+def _allocate(length: int) -> memoryview:
+    """An item's read buffer from torch's own allocator (as ``torch.load`` allocates, so both pay the same
+    for fresh pages), which the loaded tensor then keeps as its storage."""
+    return memoryview(torch.empty(length, dtype=torch.uint8).numpy())
 
 
 def _load_in_place(data: memoryview) -> Any:

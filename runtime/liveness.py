@@ -2,7 +2,9 @@
 
 Heartbeats are written from the training thread on purpose: a rank stuck in a
 collective or a hung data loader stops beating, which is what the supervisor's
-hang detection needs. The supervisor watchdog is a daemon thread: when the
+hang detection needs. A beat is one clock read, and once an interval one
+``pwrite`` into the rank's file kept open (:class:`~ckptrun.runtime.records.HeartbeatFile`):
+a few microseconds, so the training thread can afford it. The supervisor watchdog is a daemon thread: when the
 supervisor is gone (pid dead, or reused by another process) the worker exits,
 so a SIGKILLed supervisor leaves no orphans.
 """
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, ClassVar
 
-from ckptrun.runtime.records import Heartbeat, Phase, Source, write_heartbeat
+from ckptrun.runtime.records import Heartbeat, HeartbeatFile, Phase, Source
 
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 SUPERVISOR_GONE_EXIT = 75
@@ -39,6 +41,7 @@ class Heartbeater:
         self.phase: Phase | None = None
         self.last = 0.0
         (run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
+        self._file: HeartbeatFile | None = None  # opened at the first beat
         if source == "runtime":
             Heartbeater.runtime_active = True
 
@@ -48,8 +51,10 @@ class Heartbeater:
         if not force and phase == self.phase and now - self.last < self.interval:
             return False
         self.phase, self.last = phase, now
-        write_heartbeat(self.run_dir, Heartbeat(rank=self.rank, pid=os.getpid(), attempt=self.attempt, step=step,
-                                                phase=phase, time=now, source=self.source))
+        if self._file is None:
+            self._file = HeartbeatFile(self.run_dir, self.rank)
+        self._file.write(Heartbeat(rank=self.rank, pid=os.getpid(), attempt=self.attempt, step=step, phase=phase,
+                                   time=now, source=self.source))
         return True
 
 

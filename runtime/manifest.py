@@ -25,7 +25,9 @@ class ManifestError(ValueError):
 
 
 class Chunk(BaseModel):
-    """One stored DCP item's bytes inside its file, with their own digest (see :mod:`hashing`)."""
+    """A run of bytes inside a DCP data file, with their own digest (see :mod:`hashing`): a whole stored item,
+    or a piece of one (a large item is cut every ``hashing.SUB_CHUNK`` bytes; manifests written before that
+    hold one chunk per item). Every item is a run of whole chunks."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -45,8 +47,9 @@ class FileEntry(BaseModel):
     digest: str = Field(description="Lower-case hex digest of the file's bytes or, for a chunked file, of its "
                                     "chunk list (hashing.chunks_digest).")
     rank: int | None = Field(None, ge=0, description="The rank that wrote the file (None in schema 1 manifests).")
-    chunks: list[Chunk] | None = Field(None, description="DCP data files (schema 3): a digest per stored item, "
-                                                          "covering the file contiguously; None for other files.")
+    chunks: list[Chunk] | None = Field(None, description="DCP data files (schema 3): digests of runs of bytes that "
+                                                          "tile the file, each item a run of whole chunks; None for "
+                                                          "other files.")
 
     @field_validator("path")
     @classmethod

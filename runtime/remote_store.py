@@ -16,6 +16,18 @@ from the most recently created manifest (:func:`chain`). A fork (``resume
 immutable object ``forks/<time>-<id>.json`` naming the fork point; until a
 newer manifest exists, the line ends there.
 
+Runs: every manifest names its run id, and a store bound to a run
+(``FsspecStore(..., run_id=…)``, as the workers and the supervisor open it)
+lists, chains, restores and deletes only that run's snapshots — a prefix two
+runs share by mistake (``launch`` refuses a used prefix, but two launches can
+race) never hands one run the other's snapshot, nor lets its retention delete
+it. Fork markers carry the run id too. The one snapshot of another run a line
+may hold is the fork point a marker of this run names (a run forked from its
+parent run's snapshot restores it until it saves its own); its parents are not
+followed, so retention never reaches the parent run. Unbound (``verify`` or
+``estimate-rto`` of a bare URL): the line is that of the run that wrote the
+newest manifest (or the newest fork marker).
+
 Why the ranks do not stream DCP straight to the store: DCP's fsspec writer
 with ``sync_files=True`` falls back to a machine-wide ``os.sync()`` per file
 (1.12 s against 0.37 s here), and the bytes it writes are not hashed as they
@@ -66,8 +78,8 @@ class Prefix:
 class FsspecStore:
     """A checkpoint location on any fsspec file system; implements :class:`store_backend.SnapshotStore`."""
 
-    def __init__(self, url: StoreUrl, options: dict[str, Any] | None = None) -> None:
-        self.url, self.options = url, dict(options or {})
+    def __init__(self, url: StoreUrl, options: dict[str, Any] | None = None, run_id: str | None = None) -> None:
+        self.url, self.options, self.run_id = url, dict(options or {}), run_id
         self.where = url.url
         self.fs = filesystem(url, self.options)
 
@@ -111,9 +123,13 @@ class FsspecStore:
             raise ManifestError(f"{where}: invalid ({str(exc).splitlines()[0]})") from None
 
     def published(self, prefixes: list[Prefix] | None = None) -> list[Published]:
-        """Committed prefixes whose manifest reads, oldest step first. A manifest that cannot be fetched
-        (a storage error, not a missing or invalid one) raises :class:`ManifestUnreadable`: leaving it out
-        would make an older snapshot look like the newest."""
+        """This run's committed snapshots (every run's when the store is bound to none), oldest step first."""
+        return [p for p in self.committed(prefixes) if self.run_id is None or p.manifest.run_id == self.run_id]
+
+    def committed(self, prefixes: list[Prefix] | None = None) -> list[Published]:
+        """Committed prefixes of every run whose manifest reads, oldest step first. A manifest that cannot be
+        fetched (a storage error, not a missing or invalid one) raises :class:`ManifestUnreadable`: leaving it
+        out would make an older snapshot look like the newest."""
         found = []
         for prefix in self.prefixes() if prefixes is None else prefixes:
             if prefix.committed:
@@ -126,8 +142,11 @@ class FsspecStore:
         return sorted(found, key=lambda p: (p.step, p.manifest.created))
 
     def line(self, prefixes: list[Prefix] | None = None) -> list[Published]:
-        """The current line's committed snapshots, oldest first (:func:`chain`)."""
-        return chain(self.published(prefixes), self.last_fork())
+        """The current line's committed snapshots, oldest first (:func:`chain`): this run's, or, unbound, the
+        run's that wrote last."""
+        found = self.committed(prefixes)
+        run = self.run_id or _newest_run(found, self._markers())
+        return chain(found, self.last_fork(run), run)
 
     # --- writing -----------------------------------------------------------------
 
@@ -166,19 +185,26 @@ class FsspecStore:
         """Start a new line at prefix ``fork_point`` (None: at nothing): snapshots created before this
         call that descend past it leave the current line; none is deleted."""
         now = time.time()
-        document = json.dumps({"fork_point": fork_point, "created": now}).encode()
+        fields = {"fork_point": fork_point, "created": now, **({"run_id": self.run_id} if self.run_id else {})}
+        document = json.dumps(fields).encode()
         self.fs.pipe_file(self.url.join(FORKS_DIR, f"{now:017.6f}-{uuid.uuid4().hex[:8]}.json"), document)
 
-    def last_fork(self) -> tuple[str | None, float] | None:
-        """The newest fork marker: (fork point, created), None when the line never forked."""
+    def last_fork(self, run_id: str | None = None) -> tuple[str | None, float] | None:
+        """The newest fork marker of run ``run_id`` (any run's: None; a marker naming no run counts for every
+        run): (fork point, created), None when the line never forked."""
+        for document in self._markers():
+            if run_id is None or document.get("run_id") in (None, run_id):
+                return document.get("fork_point"), float(document["created"])
+        return None
+
+    def _markers(self) -> Iterator[dict[str, Any]]:
+        """Fork markers, newest first, each read only when asked for."""
         try:
             names = sorted(self.fs.ls(self.url.join(FORKS_DIR), detail=False))
         except FileNotFoundError:
-            return None
-        if not names:
-            return None
-        document = json.loads(self.fs.cat_file(names[-1]))
-        return document.get("fork_point"), float(document["created"])
+            return
+        for name in reversed(names):
+            yield json.loads(self.fs.cat_file(name))
 
     def garbage(self, min_age_s: float, now: float | None = None, prefixes: list[Prefix] | None = None) -> list[str]:
         """Manifest-less prefixes untouched for ``min_age_s``: interrupted uploads. Deletes them; returns their names."""
@@ -207,9 +233,21 @@ def _mtime(info: dict[str, Any]) -> float:
 # --- lineage -----------------------------------------------------------------------
 
 
-def chain(snapshots: list[Published], fork: tuple[str | None, float] | None = None) -> list[Published]:
-    """The current line, oldest first: parent links followed back from the most recently created manifest
-    (or from the fork point of a ``fork`` marker newer than every manifest).
+def _newest_run(snapshots: list[Published], markers: Iterator[dict[str, Any]]) -> str | None:
+    """The run that wrote last: of the newest manifest, or of a newer fork marker that names its run."""
+    newest = max(snapshots, key=lambda p: (p.manifest.created, p.step), default=None)
+    marker = next(markers, None)
+    if marker is not None and marker.get("run_id") and (newest is None or float(marker["created"]) > newest.manifest.created):
+        return str(marker["run_id"])
+    return newest.manifest.run_id if newest is not None else None
+
+
+def chain(snapshots: list[Published], fork: tuple[str | None, float] | None = None,
+          run_id: str | None = None) -> list[Published]:
+    """Run ``run_id``'s current line, oldest first: parent links followed back from its most recently created
+    manifest (or from the fork point of a ``fork`` marker newer than all of them). ``run_id`` None: the run
+    of the newest manifest. Other runs' snapshots are never on the line, except a fork point a marker names
+    (alone: a parent run's older snapshots are not followed).
 
     A manifest's parent is a snapshot name (``step-N``); several prefixes may hold
     step N (a re-save after a restart, another line), so the parent is the newest
@@ -219,21 +257,24 @@ def chain(snapshots: list[Published], fork: tuple[str | None, float] | None = No
     """
     if not snapshots:
         return []
+    run = run_id if run_id is not None else max(snapshots, key=lambda p: (p.manifest.created, p.step)).manifest.run_id
+    own = [item for item in snapshots if item.manifest.run_id == run]
     by_step: dict[int, list[Published]] = {}
-    for item in snapshots:
+    for item in own:
         by_step.setdefault(item.step, []).append(item)
-    current = max(snapshots, key=lambda p: (p.manifest.created, p.step))
-    if fork is not None and fork[1] > current.manifest.created:
-        forked = next((p for p in snapshots if p.name == fork[0]), None)
-        if forked is None:
-            return []
-        current = forked
+    current = max(own, key=lambda p: (p.manifest.created, p.step), default=None)
+    if fork is not None and (current is None or fork[1] > current.manifest.created):
+        current = next((p for p in snapshots if p.name == fork[0]), None)  # any run's: a fork from a parent run
+    if current is None:
+        return []
+    if current.manifest.run_id != run:
+        return [current]
     found, seen = [current], {current.name}
     while current.manifest.parent:
         match = PREFIX_RE.match(current.manifest.parent) or re.match(r"^step-(\d{9,})$", current.manifest.parent)
         if match is None:
             break
-        parent = _parent(current, int(match.group(1)), by_step.get(int(match.group(1)), []), snapshots, seen)
+        parent = _parent(current, int(match.group(1)), by_step.get(int(match.group(1)), []), own, seen)
         if parent is None:
             break
         current = parent
@@ -255,8 +296,9 @@ def _parent(child: Published, step: int, at_step: list[Published], snapshots: li
     return max(before, key=lambda p: p.manifest.created) if before else None
 
 
-def open_store(url: str, options_json: str | None = None) -> FsspecStore:
-    """The store a worker's environment names (``RunEnv.ckpt_url``, ``RunEnv.storage_options``)."""
+def open_store(url: str, options_json: str | None = None, run_id: str | None = None) -> FsspecStore:
+    """The store a worker's environment names (``RunEnv.ckpt_url``, ``RunEnv.storage_options``), bound to
+    its run (``RunEnv.run_id``)."""
     import json
 
     from ckptrun.runtime.ckpt_url import parse
@@ -264,4 +306,4 @@ def open_store(url: str, options_json: str | None = None) -> FsspecStore:
     location = parse(url)
     if not isinstance(location, StoreUrl):
         raise ValueError(f"{url!r} is not an object-store URL")
-    return FsspecStore(location, json.loads(options_json) if options_json else None)
+    return FsspecStore(location, json.loads(options_json) if options_json else None, run_id)

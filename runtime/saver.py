@@ -4,7 +4,8 @@ The training step waits only for **stage**: this rank's share of the state
 (what DCP's save plan has it write, see :func:`dcp_io.owned_keys`) copied into
 host buffers allocated once and reused (:mod:`staging`), so a node holds about
 one copy of the state whatever the number of ranks. **Persist** and
-**publish** run on one background thread at lower CPU and I/O priority, with
+**publish** run on one background thread at lower CPU and I/O priority (and,
+with a duty below 1, paced: :mod:`pacing`), with
 their collectives on a process group of their own (gloo), so they never
 interleave with the step's collectives; publish waits until every rank's
 write has finished, agreed over that group. At most one save is
@@ -21,6 +22,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -28,7 +30,7 @@ from typing import Callable
 import psutil
 import torch
 
-from ckptrun.runtime import collectives, store
+from ckptrun.runtime import collectives, hashing, pacing, store
 from ckptrun.runtime.remote_publish import upload
 from ckptrun.runtime.remote_store import FsspecStore
 from ckptrun.runtime.save_plan import OwnedKeys
@@ -39,13 +41,15 @@ DISK_MARGIN = 1.10
 DISK_SLACK = 4 << 20
 WRITER_NICE = 10  # quiet 2 cores, 64 MiB, probe loop alongside: 5 -> slowdown ~1.45, persist 0.32 s;
 # 10 -> ~1.15, 0.73 s; 19 -> ~1.0, 2.8 s; SCHED_IDLE -> 15 s (starved). Its threads (hashing, fsyncs) inherit it.
+WRITER_DUTY = 1.0  # share of wall time the writer may be busy between pauses (runtime.pacing); 1.0: no pauses.
+# Not yet shown to help (only under load 9-14, where noise exceeds the effect); bench/writer_settings.py A/Bs both.
 
 
-def _lower_priority() -> None:
+def _lower_priority(nice: int) -> None:
     """The writer thread yields CPU and disk to training (Linux niceness and I/O priority are per thread)."""
     tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
         psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_BE, 7)
     except (OSError, psutil.Error, AttributeError):
         pass
@@ -55,16 +59,20 @@ class Saver:
     """Owns the staging buffers, the snapshot process group and the background writer."""
 
     def __init__(self, ckpt_dir: Path, algorithm: str, asynchronous: bool, overlap: str = "wait",
-                 remote: FsspecStore | None = None, keep_local: bool = True) -> None:
+                 remote: FsspecStore | None = None, keep_local: bool = True, nice: int | None = None,
+                 duty: float | None = None) -> None:
         self.ckpt_dir, self.algorithm, self.asynchronous, self.overlap = ckpt_dir, algorithm, asynchronous, overlap
+        self.duty = WRITER_DUTY if duty is None else duty  # background writer only; ``nice`` likewise
         self.remote, self.keep_local = remote, keep_local  # an object store: each save is uploaded after its local publish
         self.group = collectives.new_group()
         self.stager = Stager()
         self.owned = OwnedKeys()
-        self.pool = ThreadPoolExecutor(1, "ckptrun-persist", initializer=_lower_priority) if asynchronous else None
+        self.pool = ThreadPoolExecutor(1, "ckptrun-persist", initializer=_lower_priority,
+                                       initargs=(WRITER_NICE if nice is None else nice,)) if asynchronous else None
         self.pending: Future | None = None
         self.finished: list[SaveResult] = []
         self.last_bytes = 0
+        self.paused_s = 0.0  # seconds the background writer has spent in pacing pauses, all saves together
         self.last_published: tuple[int, str] | None = None  # (step, tensor digest) of this process's last save
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
@@ -102,8 +110,11 @@ class Saver:
 
         def work() -> SaveResult:
             self.stager.fence()
-            result = replace(persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group),
-                             stall_s=stall, waited_s=waited, asynchronous=self.asynchronous,
+            background = self.pool is not None
+            with pacing.paced(self.duty if background else 1.0) as pacer, (hashing.helpers(1) if background else nullcontext()):
+                persisted = persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group)
+            self.paused_s += pacer.paused_s
+            result = replace(persisted, stall_s=stall, waited_s=waited, asynchronous=self.asynchronous,
                              staging_allocated_bytes=allocated, rss_after_stage_bytes=rss)
             if result.ok and self.remote is not None:
                 result = upload(result, temp_dir, self.remote, self.keep_local, fault, self.group)

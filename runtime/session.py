@@ -90,7 +90,7 @@ class Run(LoopShapes, StepEnd):
         self.faults.arm_timers()
         self.heart = Heartbeater(self.run_dir, self.rank, env.attempt, env.heartbeat_interval)
         self.saver = Saver(self.ckpt_dir, env.hash_algorithm, env.async_save, env.save_overlap,
-                           remote=open_store(env.ckpt_url, env.storage_options) if env.ckpt_url else None,
+                           remote=open_store(env.ckpt_url, env.storage_options, env.run_id) if env.ckpt_url else None,
                            keep_local=env.local_cache)
         self.memory = MemoryTier(env, self.run_dir)  # off unless the supervisor named a memory directory
         self.published: str | None = None

@@ -34,7 +34,7 @@ from ckptrun.runtime import collectives, store, zip_crc
 from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata, tensor_table
 from ckptrun.runtime.hashing import HashingWriter
 from ckptrun.runtime.manifest import Chunk, FileEntry, Manifest, TensorEntry, read_manifest
-from ckptrun.runtime.verified_read import read_small
+from ckptrun.runtime.verified_read import prefetch, read_small
 
 DCP_DIR = "dcp"
 STATE_JSON = "state.json"
@@ -382,6 +382,7 @@ def _read_local(snapshot_dir: Path, rank: int, rank_files: bool = True,
     for needed in (STATE_JSON, *own_files, f"{DCP_DIR}/.metadata"):
         if needed not in listed:
             raise LoadError(f"{snapshot_dir.name} does not list {needed}")
+    prefetch([snapshot_dir / name for name in (STATE_JSON, *own_files, f"{DCP_DIR}/.metadata")])
 
     def read(name: str) -> bytes:
         return read_small(snapshot_dir, listed[name], manifest.verified_as_loaded)

@@ -54,7 +54,8 @@ class SnapshotStore(Protocol):
     where: str
 
     def published(self) -> list[Published]:
-        """Snapshots whose manifest reads, oldest step first (every line)."""
+        """Snapshots whose manifest reads, oldest step first (every line): of the run the store is bound to
+        (``run_id``), or of every run when it is bound to none."""
 
     def open_new(self, step: int) -> str:
         """A handle for a snapshot being written: invisible until :meth:`publish`."""
@@ -76,17 +77,21 @@ class SnapshotStore(Protocol):
 
 
 class LocalStore:
-    """A checkpoint directory on a POSIX file system (see :mod:`store` for the commit protocol)."""
+    """A checkpoint directory on a POSIX file system (see :mod:`store` for the commit protocol).
 
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
+    ``run_id``: list only that run's snapshots (a directory two runs wrote into by mistake never hands one
+    the other's); None lists every run's, as a cache whose copies are matched by manifest digest does."""
+
+    def __init__(self, root: Path, run_id: str | None = None) -> None:
+        self.root, self.run_id = Path(root), run_id
         self.where = str(self.root)
 
     def path(self, name: str) -> Path:
         return self.root / name
 
     def published(self) -> list[Published]:
-        return [Published(entry.name, entry.step, manifest, str(entry.path)) for entry, manifest in store.published(self.root)]
+        return [Published(entry.name, entry.step, manifest, str(entry.path)) for entry, manifest in store.published(self.root)
+                if self.run_id is None or manifest.run_id == self.run_id]
 
     def open_new(self, step: int) -> str:
         return store.new_temp_dir(self.root, step).name

@@ -8,4 +8,23 @@ this directory on ``sys.path``.
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def default_job_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted `ckptrun launch` of the embedded default job (2 ranks, 30 steps, a snapshot every 5): its
+    run dir. The reference of test_launch_e2e's recoveries and test_exactness's accumulate-1 kills (plain torchrun
+    with the same C1 fields computes the same bits: losses, tensors, RNG and data position)."""
+    from launch_helpers import COMMON, ckptrun
+
+    from ckptrun.runtime.records import read_events
+
+    cwd = tmp_path_factory.mktemp("default-job")
+    result = ckptrun("launch", *COMMON, "--name", "ref", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = cwd / "runs" / "ref"
+    assert len(read_events(run_dir, "attempt_start")) == 1
+    return run_dir

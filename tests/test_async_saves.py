@@ -12,13 +12,14 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from ckptrun.runtime import store
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import read_events, read_metrics
-from ckptrun.runtime.verify import verify_dir
+from ckptrun.runtime.verify import IN_PROGRESS, verify_dir
 from workers import run_job
 
 FAST = ("--num-workers", "0")
@@ -95,3 +96,101 @@ def test_blake3_manifests_verify_and_catch_corruption(tmp_path):
     result = subprocess.run(verify, capture_output=True, text=True)
     assert result.returncode == 1
     assert "dcp/__0_0.distcp: blake3" in json.dumps(json.loads(result.stdout))
+
+
+# --- the paced background writer (runtime.pacing) ------------------------------------------------
+
+def test_pacer_pauses_only_the_paced_thread_after_each_chunk():
+    from ckptrun.runtime import pacing
+
+    with pacing.paced(0.5, chunk=1000) as pacer:
+        pacing.wrote(600)
+        assert pacer.paused_s == 0.0 and pacer.pending == 600, "no pause before a whole chunk"
+        other = threading.Thread(target=pacing.wrote, args=(10**9,))  # an unpaced thread: a no-op there
+        other.start()
+        other.join()
+        assert pacer.pending == 600
+        pacing.wrote(600)
+        assert pacer.paused_s > 0.0 and pacer.pending == 0, "a pause after the chunk, then a new chunk"
+    with pacing.paced(1.0, chunk=1) as unpaced:
+        pacing.wrote(10**6)
+    assert unpaced.paused_s == 0.0, "duty 1.0 never pauses"
+    pacing.wrote(10**9)  # outside the block nothing is paced
+    with pytest.raises(ValueError, match="duty 0 must be in"):
+        pacing.Pacer(0)
+
+
+PACED_SAVE = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from ckptrun.runtime import pacing, snapshot, store
+from ckptrun.runtime.saver import Saver
+from ckptrun.runtime.treecodec import split
+
+ckpt, port, kill = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "kill"
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+pacing.CHUNK = 64 << 10  # many pauses in a few MiB
+torch.manual_seed(0)
+tensors = {f"w{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
+lineage = store.ensure_lineage(ckpt, "paced")
+saver = Saver(ckpt, "sha256", asynchronous=True, nice=0, duty=0.5 if not kill else 0.001)
+results = []
+
+def save(step):
+    tree, shared = split(dict(tensors), "t")
+    state = snapshot.State({"objects": {"t": tree}, "counters": {"step": step}}, shared, {"rng": {}}, {"rng.torch": torch.randn(3)})
+    info = snapshot.SnapshotInfo("paced", lineage.current, None, step, 0, 0, "fp32", {}, "")
+    saver.begin(state, info, lambda phase: None, results.append)
+
+save(1)
+saver.collect(wait=True)
+if kill:  # a second save, SIGKILLed once its data file is partly written
+    save(2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not results[1:]:
+        data = [p for e in store.list_entries(ckpt) if e.kind == "temp" for p in e.path.rglob("*.distcp")]
+        if data and 0 < data[0].stat().st_size:
+            print(json.dumps({"killed_at": data[0].stat().st_size}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.002)
+    print(json.dumps({"missed": True}))
+    sys.exit(1)
+loaded = snapshot.load(results[0].path)
+print(json.dumps({"ok": results[0].ok, "error": results[0].error, "paused_s": saver.paused_s,
+                  "equal": all(torch.equal(loaded.shared_tensors[f"t.{k}"], t) for k, t in tensors.items())}))
+"""
+
+
+def _paced_save(tmp_path, mode: str) -> subprocess.CompletedProcess:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return subprocess.run([sys.executable, "-c", PACED_SAVE, str(tmp_path / "ckpt"), str(port), mode],
+                          capture_output=True, text=True, timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_paced_background_save_writes_every_byte_and_publishes_once(tmp_path):
+    result = _paced_save(tmp_path, "save")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["error"] is None and out["equal"], out
+    assert out["paused_s"] > 0, "the writer paused between chunks"
+    entries = store.list_entries(tmp_path / "ckpt")
+    assert [(e.step, e.kind) for e in entries] == [(1, "published")], "published once, no temp dir left"
+    assert all(r.ok for r in verify_dir(tmp_path / "ckpt"))
+
+
+@pytest.mark.timeout(120)
+def test_kill_during_a_paced_persist_never_publishes_it(tmp_path):
+    result = _paced_save(tmp_path, "kill")
+    assert result.returncode == -9, (result.stdout[-500:], result.stderr[-3000:])
+    assert "killed_at" in result.stdout
+    entries = store.list_entries(tmp_path / "ckpt")
+    assert [e.step for e in entries if e.kind == "published"] == [1], "the killed save is not published"
+    assert [e.step for e in entries if e.kind == "temp"] == [2], "it is left as a temp dir, never read"
+    reports = {r.step: r for r in verify_dir(tmp_path / "ckpt")}
+    assert reports[1].ok and reports[2].status == IN_PROGRESS, reports

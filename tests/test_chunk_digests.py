@@ -1,4 +1,5 @@
-"""Chunk digests (issue #13 item 2): a digest per stored DCP item, taken as it is written, checked as it is loaded.
+"""Chunk digests (issue #13 items 2-3): digests of every stored DCP item, cut at each item and every
+``SUB_CHUNK`` bytes inside one, taken as it is written, checked as it is loaded.
 
 Single-process tests save real snapshots through the sync saver and damage them; the end-to-end test
 flips a byte in an item only rank 1 of a 2-rank FSDP2 job reads and resumes under plain torchrun.
@@ -6,6 +7,7 @@ flips a byte in an item only rank 1 of a 2-rank FSDP2 job reads and resumes unde
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -19,7 +21,7 @@ from workers import run_job, shared_tensors
 
 from ckptrun.runtime import snapshot, store
 from ckptrun.runtime.dcp_io import load_metadata
-from ckptrun.runtime.hashing import HashingWriter, chunks_digest, entry_hasher, hash_file
+from ckptrun.runtime.hashing import SUB_CHUNK, HashingWriter, chunks_digest, entry_hasher, hash_file
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import losses_by_attempt, read_events
 from ckptrun.runtime.saver import Saver
@@ -27,13 +29,15 @@ from ckptrun.runtime.verify import verify_snapshot
 
 FSDP_JOB = Path(__file__).parent / "fixtures" / "fsdp_job.py"
 TENSORS = {"model.w": (300, 41), "model.b": (7,), "optimizer.m": (70_001,)}  # 70001 floats: hashed on the helper thread
+LARGE = {"model.big": (5 * SUB_CHUNK // 4 // 2 + 333,), "model.b": (7,)}  # 2.5 sub-chunks and a bit: several chunks
 
 
-def save(ckpt_dir: Path, step: int = 1, algorithm: str = "sha256") -> tuple[Path, dict[str, torch.Tensor]]:
+def save(ckpt_dir: Path, step: int = 1, algorithm: str = "sha256",
+         shapes: dict[str, tuple[int, ...]] = TENSORS) -> tuple[Path, dict[str, torch.Tensor]]:
     """A real one-rank snapshot of a few tensors, written by the sync saver in this process."""
     lineage = store.ensure_lineage(ckpt_dir, "chunks")
     generator = torch.Generator().manual_seed(step)
-    tensors = {key: torch.randn(shape, generator=generator) for key, shape in TENSORS.items()}
+    tensors = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     tree = {"objects": {"model": {key: {"__tensor__": key} for key in tensors}}, "counters": {"step": step}}
     state = snapshot.State(tree, tensors, {"rng": {}}, {"rng.torch": torch.randn(5, generator=generator)})
     info = snapshot.SnapshotInfo("chunks", lineage.current, None, step, 0, 0, "fp32", {}, "")
@@ -54,7 +58,34 @@ def item_ranges(snapshot_dir: Path) -> dict[str, tuple[str, int, int]]:
     return {index.fqn: (info.relative_path, info.offset, info.length) for index, info in metadata.storage_data.items()}
 
 
-# --- written: one chunk per stored item, the file digest over the chunk list ------------------------
+def chunks_of_items(snapshot_dir: Path) -> dict[str, list[tuple[int, int]]]:
+    """Each tensor's chunks (offset, length) as the manifest lists them; asserts they tile its byte range."""
+    entries = {e.path: e for e in read_manifest(snapshot_dir).files}
+    found = {}
+    for key, (name, offset, length) in item_ranges(snapshot_dir).items():
+        inside = [(c.offset, c.length) for c in entries[f"dcp/{name}"].chunks
+                  if offset <= c.offset < offset + length]
+        assert inside[0][0] == offset and sum(n for _, n in inside) == length, f"{key}'s chunks do not tile it"
+        assert all(o + n == o2 for (o, n), (o2, _) in zip(inside, inside[1:]))
+        found[key] = inside
+    return found
+
+
+def item_only(path: Path) -> None:
+    """Rewrite a snapshot's manifest as written before sub-chunks: schema 3, one chunk per DCP item."""
+    document = manifest_dict(path)
+    for entry in document["files"]:
+        if entry.get("chunks"):
+            data = (path / entry["path"]).read_bytes()
+            items = sorted((offset, length) for name, offset, length in item_ranges(path).values()
+                           if f"dcp/{name}" == entry["path"])
+            entry["chunks"] = [{"offset": o, "length": n, "digest": hashlib.sha256(data[o:o + n]).hexdigest()}
+                               for o, n in items]
+            entry["digest"] = chunks_digest("sha256", [(c["offset"], c["length"], c["digest"]) for c in entry["chunks"]])
+    write_manifest_dict(path, document)
+
+
+# --- written: chunks at every item and every SUB_CHUNK bytes inside one, file digest over the chunk list
 
 
 def test_each_data_file_is_chunked_by_item_and_its_digest_is_the_chunk_lists(saved):
@@ -64,7 +95,7 @@ def test_each_data_file_is_chunked_by_item_and_its_digest_is_the_chunk_lists(sav
     data_files = [e for e in manifest.files if e.path.endswith(".distcp")]
     assert data_files and all(e.chunks is None for e in manifest.files if e not in data_files), "small files stay whole"
     stored = {(f"dcp/{name}", offset, length) for name, offset, length in item_ranges(path).values()}
-    assert {(e.path, c.offset, c.length) for e in data_files for c in e.chunks} == stored
+    assert {(e.path, c.offset, c.length) for e in data_files for c in e.chunks} == stored, "small items: one chunk each"
     for entry in data_files:
         data = (path / entry.path).read_bytes()
         assert [c.offset for c in entry.chunks][0] == 0 and sum(c.length for c in entry.chunks) == len(data)
@@ -78,6 +109,38 @@ def test_each_data_file_is_chunked_by_item_and_its_digest_is_the_chunk_lists(sav
     assert verify_snapshot(path).ok
 
 
+def test_a_large_item_is_cut_into_sub_chunks_that_tile_it_and_each_is_checked_as_loaded(tmp_path):
+    """A large item's bytes hash on several threads (written and read): its chunks tile it, each at most
+    SUB_CHUNK; one byte flipped in the middle of a sub-chunk fails the load naming the tensor and the chunk."""
+    path, tensors = save(tmp_path / "ckpt", shapes=LARGE)
+    chunks = chunks_of_items(path)
+    assert len(chunks["model.big"]) == 3 and all(n <= SUB_CHUNK for _, n in chunks["model.big"])
+    assert len(chunks["model.b"]) == 1
+    assert all(torch.equal(snapshot.load(path).shared_tensors[k], tensors[k]) for k in tensors)
+    offset, length = chunks["model.big"][1]
+    name = item_ranges(path)["model.big"][0]
+    flip_byte(path / "dcp" / name, offset + length // 2)
+    with pytest.raises(snapshot.LoadError) as caught:
+        snapshot.load(path)
+    said = str(caught.value)
+    assert f"rank 0: DigestMismatch: dcp/{name} bytes {offset}..{offset + length} (tensor 'model.big')" in said
+    assert f"of bytes {offset}..{offset + length}" in " ".join(verify_snapshot(path).problems)
+
+
+def test_an_item_only_schema_3_manifest_still_verifies_and_loads_checking_each_item(tmp_path):
+    """Written before sub-chunks: one chunk per item, however large. Still verified as loaded, item by item."""
+    path, tensors = save(tmp_path / "ckpt", shapes=LARGE)
+    item_only(path)
+    assert read_manifest(path).verified_as_loaded and verify_snapshot(path).ok
+    assert all(len(c) == 1 for c in chunks_of_items(path).values())
+    assert all(torch.equal(snapshot.load(path).shared_tensors[k], tensors[k]) for k in tensors)
+    name, offset, length = item_ranges(path)["model.big"]
+    flip_byte(path / "dcp" / name, offset + length // 2)
+    assert verify_snapshot(path, at_load=True).deferred
+    with pytest.raises(snapshot.LoadError, match=rf"dcp/{name} bytes {offset}\.\.{offset + length} \(tensor 'model.big'\)"):
+        snapshot.load(path)
+
+
 def test_hashing_writer_digest_is_the_same_with_the_helper_thread(tmp_path):
     big, small = bytes(range(256)) * 8192, b"tail"  # 2 MiB: hashed beside the write syscall
     with open(tmp_path / "plain", "wb") as raw:
@@ -89,6 +152,43 @@ def test_hashing_writer_digest_is_the_same_with_the_helper_thread(tmp_path):
         chunked.tell(), chunked.write(big), chunked.tell(), chunked.write(small)
     assert chunked.hexdigest() == chunks_digest("sha256", [(0, len(big), hashlib.sha256(big).hexdigest()),
                                                            (len(big), 4, hashlib.sha256(small).hexdigest())])
+
+
+@pytest.mark.parametrize("writes", [[5 * SUB_CHUNK + 99], [100, SUB_CHUNK - 100, 7, 3 * SUB_CHUNK, SUB_CHUNK + 92]])
+def test_hashing_writer_cuts_a_chunk_every_sub_chunk_bytes_inside_an_item(tmp_path, writes):
+    """However the item's bytes arrive (one large write hashed on helpers, or small inline ones), chunks end at
+    every SUB_CHUNK bytes from the item's start and at each tell(), and each digest is of exactly its bytes."""
+    data = bytes(range(256)) * (sum(writes) // 256 + 1)
+    with open(tmp_path / "chunked", "wb") as raw:
+        stream = HashingWriter(raw, "sha256", chunked=True)
+        stream.write(b"head"), stream.tell()
+        start = 0
+        for size in writes:
+            stream.write(data[start:start + size])
+            start += size
+        stream.tell(), stream.write(b"tail")
+        digest = stream.hexdigest()
+    written = b"head" + data[:start] + b"tail"
+    lengths = [4] + [SUB_CHUNK] * 5 + [99, 4]
+    assert [n for _, n, _ in stream.chunks] == lengths and stream.size == len(written) == sum(lengths)
+    assert all(hashlib.sha256(written[o:o + n]).hexdigest() == d for o, n, d in stream.chunks)
+    assert digest == chunks_digest("sha256", stream.chunks)
+    assert written == (tmp_path / "chunked").read_bytes()
+
+
+def test_a_thread_that_asks_for_one_hash_helper_gets_one_and_the_same_chunks(tmp_path):
+    """A background persist hashes on one helper (it shares the cores with training): same chunks, same digests."""
+    from ckptrun.runtime import hashing
+
+    data = bytes(range(256)) * ((3 * SUB_CHUNK) // 256)
+    made = {}
+    for count in (1, None):
+        with open(tmp_path / f"f{count}", "wb") as raw, (hashing.helpers(count) if count else contextlib.nullcontext()):
+            stream = HashingWriter(raw, "sha256", chunked=True)
+            stream.write(data)
+            made[count] = (stream._helper._max_workers, stream.chunks, stream.hexdigest())
+    assert made[1][0] == 1 and made[None][0] == hashing.HASH_HELPERS
+    assert made[1][1:] == made[None][1:] and len(made[1][1]) == 3
 
 
 # --- loaded: every byte checked as it is read, once -------------------------------------------------

@@ -16,10 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from ckptrun.cli.recovery_budget import rto_components as components
+from ckptrun.cli.recovery_budget import rto_launch
+from ckptrun.cli.recovery_budget import rto_measure as measure
+from ckptrun.cli.recovery_budget import rto_relaunch as relaunch
+from ckptrun.cli.recovery_budget.estimate import find_target
 from ckptrun.cli.recovery_budget.rto_model import cost_per_failure, daly, goodput, young
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, write_run_record
+from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.records import log_event
-from snapshot_factory import flip_byte
+from ckptrun.runtime.verified_read import HASH_THREADS
+from snapshot_factory import flip_byte, manifest_dict, write_manifest_dict
 from workers import run_job
 
 FAST = ("--steps", "12", "--num-workers", "0", "--hidden", "64")
@@ -93,7 +100,8 @@ def test_run_with_history_takes_each_part_from_its_best_source(with_history: Pat
     assert (parts["teardown"]["source"], parts["teardown"]["value_s"]) == ("history", pytest.approx(0.5))
     assert (parts["restart"]["source"], parts["restart"]["value_s"]) == ("history", pytest.approx(4.0))
     assert parts["verify"]["source"] == "measured" and parts["verify"]["value_s"] > 0
-    assert "resident" in parts["verify"]["detail"] or "page-cache" in parts["verify"]["detail"]
+    assert parts["verify"]["rule"] == "manifest-and-sizes", "chunk digests: the supervisor checks manifest and sizes"
+    assert "manifest and sizes" in parts["verify"]["detail"]
     assert parts["backoff"]["source"] == "assumed" and "no run.json" in parts["backoff"]["detail"]
     lost = parts["lost_work"]
     assert lost["source"] == "history" and lost["save_mode"] in ("sync", "async")
@@ -197,6 +205,7 @@ def test_run_dir_probe_reruns_the_script_and_leaves_the_run_untouched(with_histo
     assert code == 0, err
     restart = doc["components"]["restart"]
     assert restart["source"] == "measured" and "the run's script on 1 rank" in restart["detail"]
+    assert "warm standby agent, forked (warm) ranks" in restart["detail"], "relaunched as the run's restart would be"
     assert "past restarts: median 4.0 s" in restart["detail"]
     assert doc["components"]["backoff"]["source"] == "configured"
     assert {p: p.read_bytes() for p in before} == before, "the probe wrote into the real run's records"
@@ -238,7 +247,9 @@ def test_a_corrupt_newest_snapshot_is_timed_and_skipped_as_the_supervisor_would(
     assert code == 0, err
     assert doc["snapshot"]["step"] == 10, "a restart falls back to the newest snapshot that verifies"
     verify = doc["components"]["verify"]
-    assert verify["skipped"] == ["step-000000012 is corrupt"] and verify["detail"].startswith("WARNING:")
+    [skipped] = verify["skipped"]
+    assert skipped.startswith("step-000000012 is corrupt") and verify["detail"].startswith("WARNING:")
+    assert "pass the pre-relaunch check" in skipped and "quarantines" in skipped, "the load finds it, not the check"
 
 
 def test_no_snapshot_that_verifies_is_a_no(with_history: Path) -> None:
@@ -246,3 +257,115 @@ def test_no_snapshot_that_verifies_is_a_no(with_history: Path) -> None:
         flip_byte(snapshot / "state.json")
     result = ckptrun("estimate-rto", with_history)
     assert result.returncode == 1 and "no snapshot of the current lineage" in result.stderr
+
+
+# --- the verified-as-read restore (chunk digests, schema 3) against a schema-2 snapshot ---------------
+
+
+def as_schema_2(snapshot: Path) -> None:
+    """The manifest as written before chunk digests: whole-file digests, no chunks (so hashed before a load)."""
+    document = manifest_dict(snapshot)
+    document["schema_version"] = 2
+    for entry in document["files"]:
+        if entry.pop("chunks", None) is not None:
+            entry["digest"] = hash_file(snapshot / entry["path"], entry["algorithm"])[1]
+    write_manifest_dict(snapshot, document)
+
+
+@pytest.fixture
+def schemas(trained: Path, tmp_path: Path) -> dict[int, components.Target]:
+    """The run's checkpoint directory as written (schema 3) and rewritten as schema 2, as estimate-rto finds them."""
+    targets = {}
+    for schema in (3, 2):
+        ckpt = shutil.copytree(trained / "checkpoints", tmp_path / f"schema-{schema}", symlinks=True)
+        for snapshot in ckpt.glob("step-*") if schema == 2 else []:
+            as_schema_2(snapshot)
+        targets[schema] = find_target(ckpt)
+    assert targets[3].manifest.verified_as_loaded and not targets[2].manifest.verified_as_loaded
+    return targets
+
+
+def test_verify_is_the_supervisors_check_manifest_and_sizes_for_schema_3_whole_digests_for_schema_2(schemas) -> None:
+    new, old = components.verify(schemas[3]), components.verify(schemas[2])
+    assert new.facts.keys() == old.facts.keys() and new.source == old.source == "measured"
+    assert (new.facts["rule"], old.facts["rule"]) == ("manifest-and-sizes", "whole-file-digests")
+    assert "schema 3, chunk digests: manifest and sizes" in new.detail and "counted in restart" in new.detail
+    assert new.facts["throughput_bytes_per_s"] is None, "no byte is hashed by the check it times"
+    assert "schema 2, whole-file digests" in old.detail and old.facts["throughput_bytes_per_s"] > 0
+    assert schemas[3].snapshot.name == schemas[2].snapshot.name == "step-000000012"
+
+
+def test_the_timed_schema_3_check_reads_no_data_byte_but_sees_sizes(schemas) -> None:
+    target = schemas[3]
+    data = next(entry for entry in target.manifest.files if entry.chunks)
+    flip_byte(target.snapshot / data.path)
+    timing = measure.time_load_check(target.snapshot, target.manifest)
+    assert timing.deferred and timing.status == "ok" and timing.sampled_bytes == 0, "a flipped byte is the load's to find"
+    assert measure.scan_digests(target.snapshot, target.manifest) == "corrupt", "found by the untimed scan instead"
+    (target.snapshot / data.path).write_bytes(b"short")
+    assert measure.time_load_check(target.snapshot, target.manifest).status == "corrupt"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_restore_is_the_slower_of_read_and_hash_for_schema_3_and_the_read_for_schema_2(schemas, world: int) -> None:
+    seconds, words, facts = components.restore_estimate(schemas[3], world)
+    assert facts["restore_rule"] == "slower-of-read-and-hash"
+    assert seconds == facts["restore_s"] == max(facts["read_s"], facts["hash_s"]) > 0
+    assert facts["hash_threads_per_rank"] == pytest.approx(min(os.cpu_count() or 1, world * HASH_THREADS) / world)
+    assert facts["hash_bytes_per_s_per_thread"] > 0 and facts["read_bytes_per_s"] > 0
+    assert "the slower" in words and "hashing as read" in words and f"{world} rank(s)" in words
+    seconds, words, facts = components.restore_estimate(schemas[2], world)
+    assert facts["restore_rule"] == "read" and seconds == facts["restore_s"] > 0 and "hash_s" not in facts
+    assert "schema 2: hashed whole before the relaunch" in words
+
+
+def test_the_in_launch_estimate_uses_the_same_restore_rule(trained: Path) -> None:
+    restart = rto_launch.restart(find_target(trained))
+    assert restart.source == "estimated" and "hashing as read" in restart.detail, restart.detail
+
+
+# --- the relaunch a restart runs: warm (standby agent, forked ranks) or cold ---------------
+
+
+@pytest.mark.parametrize("options, standby, path", [
+    ({}, True, "warm"),
+    ({"warm_workers": False}, True, "cold"),
+    ({"standby": False, "warm_workers": False}, False, "cold"),
+    ({"nproc_per_node": "gpu"}, True, "cold"),  # the supervisor forks only for a numeric --nproc-per-node
+])
+def test_the_modelled_relaunch_follows_the_supervisors_rule(options: dict, standby: bool, path: str) -> None:
+    found = relaunch.relaunch_path(LaunchSpec(**options))
+    assert (found.standby, found.name) == (standby, path)
+    assert relaunch.relaunch_path(None).name == "warm", "no run.json: the launch defaults, warm workers on"
+
+
+@pytest.mark.parametrize("options, path, words", [
+    (None, "warm", "forked (warm) ranks"),
+    ({"warm_workers": True}, "warm", "forked (warm) ranks"),
+    ({"warm_workers": False}, "cold", "spawned (cold) ranks"),
+])
+def test_the_restart_names_the_path_it_models_with_and_without_history(with_history: Path, options, path, words) -> None:
+    if options is not None:
+        write_run_record(with_history, RunRecord(run_id="path-test", spec=LaunchSpec(**options)))
+    target = find_target(with_history)
+    past = components.restart(target, False, 1, None)
+    assert past.source == "history" and past.value_s == pytest.approx(4.0), "past restarts are measured: they win"
+    assert past.facts["relaunch_path"] == path and words in past.detail
+    assert ("run.json" if options else "launch default") in past.detail
+    target.events = [e for e in target.events if e.get("event") != "restart"]  # no history: the model
+    modelled = components.restart(target, False, 1, None)
+    assert modelled.source == "estimated" and modelled.facts["relaunch_path"] == path
+    assert "modelled relaunch: warm standby agent" in modelled.detail, "standby is on by default"
+    assert words in modelled.detail
+
+
+@pytest.mark.timeout(180)
+def test_a_warm_no_op_relaunch_goes_through_a_standby_and_forked_ranks(trained: Path) -> None:
+    noop = measure.noop_attempt(1, None)  # one real standby, handed a no-op attempt whose rank is forked
+    assert (noop.path.name, noop.path.standby, noop.world) == ("warm", True, 1)
+    assert noop.launch_s > 0 and noop.teardown_s >= 0
+    target = find_target(trained)
+    restart = components.restart(target, False, 1, noop)
+    assert restart.facts["launch_s"] == noop.launch_s and "no-op 1-rank relaunch" in restart.detail
+    assert "forked (warm) ranks" in restart.detail
+    assert "forked (warm) ranks" in components.teardown(target, noop).detail

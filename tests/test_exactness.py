@@ -2,7 +2,8 @@
 
 Real torchrun, 2 ranks, gloo on CPU, the default template (dropout, shuffling,
 two loader workers, AdamW, cosine schedule, EMA). The runtime picks and
-verifies the snapshot itself here (plain torchrun, no supervisor).
+verifies the snapshot itself here (plain torchrun, no supervisor). Cases that share a run share it:
+without accumulation one run is killed right after a save (attempt 1), then mid-epoch (attempt 2).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ def job_args(accumulate: int) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """Uninterrupted 2-rank runs, one per accumulation setting, shared by every test."""
-    cache: dict[int, Path] = {}
+def reference(tmp_path_factory, default_job_run):
+    """Uninterrupted 2-rank runs, one per accumulation setting, shared by every test (without accumulation:
+    conftest's `ckptrun launch` of the same job, which computes the same bits as plain torchrun)."""
+    cache: dict[int, Path] = {1: default_job_run}
 
     def get(accumulate: int) -> Path:
         if accumulate not in cache:
@@ -40,33 +42,53 @@ def reference(tmp_path_factory):
     return get
 
 
+TWICE = "kill:rank=0:step=10;kill:rank=1:step=13:attempt=2"  # attempt 1 right after a save, attempt 2 mid-epoch
 CASES = [
-    # name, accumulate, fault, snapshot step resumed from
-    ("mid-epoch", 1, "kill:rank=1:step=13", 10),
-    ("right-after-save", 1, "kill:rank=0:step=10", 10),
-    ("inside-accumulation-window", 2, "kill:rank=1:step=13:micro=1", 10),
+    # name, accumulate, faults (one run: each fault kills one attempt), the attempt whose resume is checked, its snapshot
+    ("mid-epoch", 1, TWICE, 3, 10),
+    ("right-after-save", 1, TWICE, 2, 10),
+    ("inside-accumulation-window", 2, "kill:rank=1:step=13:micro=1", 2, 10),
 ]
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("name,accumulate,fault,resumed", CASES, ids=[c[0] for c in CASES])
-def test_killed_and_resumed_run_is_bitwise_identical(reference, tmp_path, name, accumulate, fault, resumed):
-    ref = reference(accumulate)
-    run_dir = tmp_path / name
-    killed = run_job(run_dir, nproc=2, args=job_args(accumulate), save_every_steps=5, fault=fault)
-    assert killed.returncode != 0, "the injected kill did not fire"
-    resumed_run = run_job(run_dir, nproc=2, args=job_args(accumulate), save_every_steps=5, attempt=2)
-    assert resumed_run.returncode == 0, resumed_run.stderr[-3000:]
+@pytest.fixture(scope="session")
+def killed_and_resumed(tmp_path_factory):
+    """Runs killed once per fault and resumed until they complete, shared by the cases that check them."""
+    cache: dict[tuple[int, str], Path] = {}
 
-    assert [e["step"] for e in read_events(run_dir, "restored")] == [resumed]
+    def get(accumulate: int, faults: str) -> Path:
+        if (accumulate, faults) not in cache:
+            run_dir = tmp_path_factory.mktemp("killed") / f"acc{accumulate}"
+            kills = faults.count(";") + 1
+            for attempt in range(1, kills + 1):
+                killed = run_job(run_dir, nproc=2, args=job_args(accumulate), save_every_steps=5, fault=faults, attempt=attempt)
+                assert killed.returncode != 0, f"the injected kill of attempt {attempt} did not fire"
+            resumed = run_job(run_dir, nproc=2, args=job_args(accumulate), save_every_steps=5, fault=faults,
+                              attempt=kills + 1)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+            cache[accumulate, faults] = run_dir
+        return cache[accumulate, faults]
+
+    return get
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name,accumulate,faults,attempt,resumed", CASES, ids=[c[0] for c in CASES])
+def test_killed_and_resumed_run_is_bitwise_identical(reference, killed_and_resumed, name, accumulate, faults, attempt,
+                                                     resumed):
+    ref = reference(accumulate)
+    run_dir = killed_and_resumed(accumulate, faults)
+    restored = {e["attempt"]: e["step"] for e in read_events(run_dir, "restored")}
+    assert restored[attempt] == resumed, restored
     expected = losses_by_attempt(ref)[1]
     attempts = losses_by_attempt(run_dir)
-    assert sorted(attempts[2]) == list(range(resumed + 1, STEPS + 1))
-    for attempt, losses in attempts.items():
+    assert sorted(restored) == sorted(attempts)[1:], "every later attempt restored once"
+    steps = sorted(attempts[attempt])  # the checked attempt goes on from the first step after its snapshot
+    assert steps == list(range(resumed + 1, resumed + 1 + len(steps)))
+    assert max(attempts[max(attempts)]) == STEPS
+    for number, losses in attempts.items():  # a replayed step equals its first run: both equal the reference
         mismatched = {step: (loss, expected[step]) for step, loss in losses.items() if loss != expected[step]}
-        assert not mismatched, f"attempt {attempt} differs from the uninterrupted run: {mismatched}"
-    replayed = set(attempts[1]) & set(attempts[2])
-    assert all(attempts[1][s] == attempts[2][s] for s in replayed)
+        assert not mismatched, f"attempt {number} differs from the uninterrupted run: {mismatched}"
 
     assert_same_snapshot_state(ref / FINAL, run_dir / FINAL)
 

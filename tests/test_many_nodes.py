@@ -26,6 +26,10 @@ QUICK = ["--nproc-per-node", "1", "--heartbeat-timeout", "5", "--startup-timeout
          "--save-every-steps", "5", "--grace-period", "20"]
 JOB = ["--", "--num-workers", "0", "--steps", "20"]
 NO_RESTART = ["--no-standby"]  # a run that never restarts has no use for the next attempt's agent
+# A test that kills something once a snapshot is out needs the job still running then: slow-save (sleeps in each save
+# hook of the attempts named, never touches the losses) keeps the 15 steps that remain seconds long on any machine.
+SLOW_ATTEMPT_1 = "slow-save:ms=300"
+SLOW_ATTEMPTS_1_2 = f"{SLOW_ATTEMPT_1};slow-save:ms=300:attempt=2"
 
 
 def free_port() -> int:
@@ -119,7 +123,7 @@ def test_a_rank_then_the_torchrun_killed_on_node_1_restart_both_nodes_from_one_s
     rank SIGKILLed once attempt 1 has a snapshot, then its torchrun (attempt 2's agent, a used standby)
     SIGKILLed once attempt 2 has written one of its own."""
     pair = Pair(tmp_path, cleanup, "kill")
-    pair.launch()
+    pair.launch("--inject-fault", SLOW_ATTEMPTS_1_2)
     wait_for(lambda: _snapshot_after(pair, 0), timeout=150, what="attempt 1's first snapshot")
     _rank_of(pair.procs[1]).kill()  # torch's rendezvous, not the node rank, decides which global rank it is
     restored = wait_for(lambda: _attempt_start(pair, 2), timeout=150, what="attempt 2")["snapshot_step"]
@@ -261,12 +265,12 @@ def _rank_of(popen: subprocess.Popen) -> psutil.Process:
 def test_node_1s_supervisor_killed_and_relaunched_within_the_join_timeout_completes(
         tmp_path: Path, cleanup: Cleanup, reference: dict[int, float]) -> None:
     pair = Pair(tmp_path, cleanup, "rejoin")
-    pair.launch("--node-join-timeout", "120")
+    pair.launch("--node-join-timeout", "120", "--inject-fault", SLOW_ATTEMPT_1)
     wait_for(lambda: any(e.get("step", 0) >= 5 for e in events(pair.run_dir, "snapshot_saved")), timeout=150,
              what="the first snapshot")
     os.kill(pair.procs[1].pid, signal.SIGKILL)  # the launcher alone: its ranks must notice and leave
     pair.procs[1].wait()
-    pair.start(1, *pair.flags(1), *QUICK, *JOB)  # the scheduler relaunches node 1's launcher
+    pair.start(1, *pair.flags(1), *QUICK, "--inject-fault", SLOW_ATTEMPT_1, *JOB)  # the scheduler relaunches it
     assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
     assert_losses_equal(pair.run_dir, reference)
     joined = events(pair.run_dir, "node_joined")

@@ -25,7 +25,7 @@ from ckptrun.runtime.retention import apply_remote_retention
 from ckptrun.runtime.tiering import LOCAL, REMOTE, choose
 from ckptrun.runtime.verify import verify_remote_dir
 from s3_server import S3Server, free_port, start_server
-from workers import run_job, shared_tensors
+from workers import run_id_for, run_job, shared_tensors
 
 FAST = ("--num-workers", "0", "--hidden", "128")
 
@@ -233,7 +233,8 @@ def test_tiered_restart_uses_the_local_copy_else_s3_both_exact(tmp_path, s3, ref
     shutil.copytree(killed_tiered[0], run_dir)
     if cache_lost:
         shutil.rmtree(run_dir / "cache")
-    resumed = job(run_dir, url, ckpt_dir=run_dir / "cache", local_cache=True, attempt=2)
+    # the copy resumes as the same run (a store lists, chains and restores only its run's snapshots)
+    resumed = job(run_dir, url, ckpt_dir=run_dir / "cache", local_cache=True, attempt=2, run_id=run_id_for(killed_tiered[0]))
     assert resumed.returncode == 0, resumed.stderr
     source = read_events(run_dir, "restore_source")[-1]
     assert source["source"] == (REMOTE if cache_lost else LOCAL) and source["step"] == 5, source

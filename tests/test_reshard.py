@@ -11,6 +11,7 @@ and final weights agree within fp32 tolerance, not bitwise: per-rank RNG is rese
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ckptrun.runtime.data import ResumableSampler
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import final_losses, read_events, read_fatal
 from launch_helpers import FIXTURES, ckptrun, events, one
-from workers import run_job, shared_tensors
+from workers import run_id_for, run_job, shared_tensors
 
 SCRIPT = FIXTURES / "reshard_job.py"
 STEPS, SNAPSHOT, STEPS_PER_EPOCH, SAMPLES = 10, 5, 4, 48  # global batch 12 of 48 samples
@@ -46,6 +47,24 @@ def reference(tmp_path_factory):
             assert result.returncode == 0, result.stderr[-3000:]
             cache[kind] = run_dir
         return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def killed(tmp_path_factory):
+    """One run per parallelism and old world size SIGKILLed after its step-5 snapshot, shared by the tests that
+    resume it at different world sizes (each resumes its own copy, under the killed run's id)."""
+    cache: dict[tuple[str, int], Path] = {}
+
+    def get(kind: str, old: int, into: Path) -> str:
+        if (kind, old) not in cache:
+            run_dir = tmp_path_factory.mktemp("reshard-killed") / f"{kind}-{old}"
+            result = job(run_dir, old, kind, fault=f"kill:rank={old - 1}:step=7")  # the step-5 snapshot is published first
+            assert result.returncode != 0, "the injected kill did not fire"
+            cache[kind, old] = run_dir
+        shutil.copytree(cache[kind, old], into)
+        return run_id_for(cache[kind, old])
 
     return get
 
@@ -92,17 +111,17 @@ def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind, old, new", [("ddp", 2, 1), ("ddp", 2, 3), ("ddp", 3, 2), ("fsdp", 2, 1), ("fsdp", 2, 3)])
-def test_resharded_resume_restores_the_state_and_continues_the_global_sample_stream(reference, tmp_path, kind, old, new):
+def test_resharded_resume_restores_the_state_and_continues_the_global_sample_stream(reference, killed, tmp_path, kind,
+                                                                                  old, new):
     ref = reference(kind)
     run_dir = tmp_path / kind
-    killed = job(run_dir, old, kind, fault=f"kill:rank={old - 1}:step=7")  # the step-5 snapshot is published first
-    assert killed.returncode != 0, "the injected kill did not fire"
+    run_id = killed(kind, old, into=run_dir)
     if (kind, old, new) == ("ddp", 2, 1):  # not asked for: refused before anything is loaded
-        refused = job(run_dir, new, kind, attempt=2)
+        refused = job(run_dir, new, kind, attempt=2, run_id=run_id)
         assert refused.returncode != 0
         fatal = read_fatal(run_dir)
         assert fatal and fatal[-1]["exit_code"] == 4 and "--allow-reshard" in fatal[-1]["reason"]
-    resumed = job(run_dir, new, kind, attempt=2, allow_reshard=True)
+    resumed = job(run_dir, new, kind, attempt=2, allow_reshard=True, run_id=run_id)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     event = one(run_dir, "resharded")

@@ -112,3 +112,49 @@ def test_config_change_table(saved, current, allowed, refused):
     from ckptrun.runtime.policies import refused_changes
 
     assert refused_changes(saved, current, allowed) == refused
+
+
+def _window_verdict(history: list[float], loss: float, sigma: float) -> bool:
+    """The definition: above mean + sigma * std of the window (population std), summed afresh."""
+    mean = sum(history) / len(history)
+    std = math.sqrt(sum((x - mean) ** 2 for x in history) / len(history))
+    return std > 0 and loss > mean + sigma * std
+
+
+@pytest.mark.parametrize("base,spread", [(2.3, 0.05), (1e4, 1e-6), (0.0, 1.0)])
+def test_anomaly_running_sums_agree_with_the_window(base, spread):
+    """The O(1) running sums flag exactly what the window's own mean and std flag, flat losses included."""
+    from ckptrun.runtime.anomaly import AnomalyDetector
+
+    detector, rng_ = AnomalyDetector(window=20, sigma=3.0), random.Random(0)
+    for step in range(600):
+        loss = base + spread * (rng_.gauss(0, 1) + (8 if step % 37 == 36 else 0))
+        before = list(detector.history)
+        expected = len(before) >= detector.min_history and _window_verdict(before, loss, detector.sigma)
+        assert (detector.check(loss) is not None) == expected, step
+        if step == 300:
+            detector.history.clear()  # a rollback forgets the window
+    assert detector.check(float("nan")) == "non-finite loss nan"
+
+
+def test_heartbeat_file_is_rewritten_in_place_and_read_whole(tmp_path):
+    """In-place beats: each read sees the last whole beat; a shorter beat leaves no tail; a fork does not write."""
+    import os
+
+    from ckptrun.runtime.liveness import Heartbeater
+    from ckptrun.runtime.records import heartbeat_path, read_heartbeat, read_heartbeats
+
+    heart = Heartbeater(tmp_path, 3, 1, interval=3600.0)
+    assert heart.beat(123456789, "train") and not heart.beat(123456790, "train")  # throttled
+    assert heart.beat(7, "save")  # a phase change always writes
+    beat = read_heartbeats(tmp_path)[3]
+    assert (beat.step, beat.phase, beat.pid, beat.source) == (7, "save", os.getpid(), "runtime")
+    path = heartbeat_path(tmp_path, 3)
+    path.write_bytes(path.read_bytes()[:40])  # a write caught half done
+    assert read_heartbeat(path) is None and read_heartbeats(tmp_path) == {}
+    pid = os.fork()
+    if pid == 0:  # a data-loader worker inherits the heartbeater: it must not beat for its parent
+        heart.beat(99, "done", force=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert heart.beat(8, "train", force=True) and read_heartbeats(tmp_path)[3].step == 8

@@ -234,3 +234,66 @@ def test_resume_takes_storage_options_over_the_stored_ones_and_keeps_credentials
     assert resumed.store_secrets == {"secret": SECRET} and SECRET not in resumed.model_dump_json()
     with pytest.raises(CkptrunError, match="object-store"):
         resume_options(build_spec({}), ["secret=x"])
+
+
+# --- a prefix two runs share: a run lists, chains, restores and deletes only its own snapshots ----------
+
+
+def upload_run(tmp: Path, bucket: StoreUrl, run_id: str, steps: list[int], parent: str | None = None) -> FsspecStore:
+    """Snapshots of run ``run_id``, each the parent of the next (the first's is ``parent``), committed in ``bucket``;
+    the store bound to that run."""
+    local = tmp / f"writer-{run_id}"
+    for step in steps:
+        make_snapshot(local, step, run_id=run_id, parent=parent)
+        parent = snapshot_name(step)
+    source, remote = LocalStore(local), FsspecStore(bucket, run_id=run_id)
+    held = {p.digest for p in remote.committed()}
+    for item in source.published():
+        if item.digest not in held:
+            copy_snapshot(source, item, remote, ONCE)
+    return remote
+
+
+def steps_of(items) -> list[tuple[int, str]]:
+    return [(p.step, p.manifest.run_id) for p in items]
+
+
+def test_a_shared_prefix_never_hands_one_run_the_others_snapshots(tmp_path):
+    """Run b writes last, at steps run a has too, and its step 10 names a parent (step 5) it does not hold:
+    unbound by run, the line would follow it into run a's step 5 and b's retention would delete it."""
+    bucket = StoreUrl("memory", f"bucket-{uuid.uuid4().hex[:8]}/ckpt")
+    a = upload_run(tmp_path, bucket, "run-a", [5, 10])
+    b = upload_run(tmp_path, bucket, "run-b", [10, 15], parent=snapshot_name(5))
+    assert steps_of(a.published()) == [(5, "run-a"), (10, "run-a")] and len(FsspecStore(bucket).published()) == 4
+    assert steps_of(a.line()) == [(5, "run-a"), (10, "run-a")]
+    assert steps_of(b.line()) == [(10, "run-b"), (15, "run-b")], "b's missing parent is not found in run a"
+    assert steps_of(FsspecStore(bucket).line()) == steps_of(b.line()), "unbound: the run that wrote last, never a mix"
+    chosen = choose(a, tmp_path / "cache-a", retry=ONCE)
+    assert chosen is not None and chosen.step == 10 and chosen.digest == a.line()[-1].digest, "a restores its own 10"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert apply_remote_retention(b, Retention(keep_last=1), run_dir) == [10]
+    assert steps_of(FsspecStore(bucket).published()) == [(5, "run-a"), (10, "run-a"), (15, "run-b")]
+
+
+def test_a_fork_restores_the_parent_runs_snapshot_but_never_follows_or_deletes_that_run(tmp_path):
+    bucket = StoreUrl("memory", f"bucket-{uuid.uuid4().hex[:8]}/ckpt")
+    a = upload_run(tmp_path, bucket, "run-a", [5, 10])
+    child = FsspecStore(bucket, run_id="run-b")
+    child.fork(a.line()[-1].name)  # run b starts from run a's step 10
+    assert steps_of(child.line()) == [(10, "run-a")], "the fork point, alone: a's step 5 is not on b's line"
+    assert steps_of(a.line()) == [(5, "run-a"), (10, "run-a")], "b's fork marker is not a's"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert apply_remote_retention(child, Retention(keep_last=1), run_dir) == []
+    upload_run(tmp_path, bucket, "run-b", [12, 14], parent=snapshot_name(10))  # b saves on from there
+    assert steps_of(child.line()) == [(12, "run-b"), (14, "run-b")]
+    assert apply_remote_retention(child, Retention(keep_last=1), run_dir) == [12]
+    assert steps_of(a.published()) == [(5, "run-a"), (10, "run-a")], "nothing of run a deleted"
+
+
+def test_a_local_store_bound_to_a_run_lists_only_that_runs_snapshots(tmp_path):
+    make_snapshot(tmp_path / "ckpt", 5, run_id="run-a")
+    make_snapshot(tmp_path / "ckpt", 10, run_id="run-b")
+    assert [p.step for p in LocalStore(tmp_path / "ckpt", run_id="run-a").published()] == [5]
+    assert [p.step for p in LocalStore(tmp_path / "ckpt").published()] == [5, 10]

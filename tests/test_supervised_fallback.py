@@ -57,6 +57,8 @@ def test_a_snapshot_that_verifies_but_does_not_load_is_quarantined_and_the_run_c
     quarantined = events(run_dir, "snapshot_quarantined")
     assert [(Path(e["snapshot"]).name, e["status"]) for e in quarantined] == [("step-000000010", "unloadable")]
     assert Path(quarantined[0]["moved_to"]).is_dir(), "kept, not deleted"
+    assert quarantined[0]["cause"] == "load" and "snapshot step 10 passed its checks but does not load" in (
+        tmp_path / "launch.log").read_text(errors="replace"), "bytes that match: not worded as a digest failure"
     report = json.loads(ckptrun("verify", str(ckpt), "--json", cwd=tmp_path).stdout)
     statuses = {(Path(s["path"]).name, s["status"]) for s in report["snapshots"]}
     assert ("step-000000010", "unloadable") in statuses, statuses

@@ -43,9 +43,9 @@ def test_kill_at_fires_from_a_timer_in_the_middle_of_a_save(tmp_path) -> None:
         from ckptrun.runtime.fault_injection import FaultInjector
         from ckptrun.runtime.faults import parse_faults
         injector = FaultInjector(parse_faults("kill-at:rank=0:after=0.3"), rank=0, attempt=1, run_dir=Path({str(tmp_path)!r}))
-        injector.arm_timers()
         injector.during_save(7, "stage")
         injector.during_save(7, "persist")  # a save in flight: the timer must not wait for it
+        injector.arm_timers()  # armed once the save is in flight: a slow machine cannot fire it before "persist"
         time.sleep(30)
         print("survived")
     """)

@@ -51,7 +51,7 @@ def find_target(given: Path | str) -> parts.Target:
     if (path / records.EVENTS).exists() or (path / "run.json").exists() or (path / "checkpoints").is_dir():
         spec, run_id = _run_record(path)
         ckpt_dir = spec.ckpt_dir if spec is not None and spec.ckpt_dir is not None else path / "checkpoints"
-        remote = store_location.store_of(spec)
+        remote = store_location.store_of(spec, run_id)  # this run's snapshots only, on a shared prefix
         target = (_store_target(path, "run", remote, ckpt_dir, run_dir=path, spec=spec, run_id=run_id) if remote
                   else _target(path, "run", ckpt_dir, run_dir=path, spec=spec, run_id=run_id))
         target.events, target.metrics = records.read_events(path), records.read_metrics(path)
@@ -140,7 +140,8 @@ def gather(target: parts.Target, probe: bool, world: int) -> dict[str, Component
     needs_noop = hist_missing(target, "teardown_s") or (hist_missing(target, "relaunch_to_first_step_s") and not probe)
     noop = None
     if needs_noop:
-        parts.say(f"timing a no-op {world}-rank launch and its teardown")
+        path, _ = parts.relaunch_path(target)
+        parts.say(f"timing a no-op {world}-rank relaunch ({path.words}) and its teardown")
         noop = noop_attempt(world, target.spec)
     return {
         "detect": parts.detect(target),

@@ -10,6 +10,7 @@ directory. Importable without torch; torch runs only in the probes' children.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +21,13 @@ from ckptrun.cli.errors import EXIT_NO, CkptrunError
 from ckptrun.cli.humanize import human_bytes
 from ckptrun.cli.recovery_budget import rto_history as hist
 from ckptrun.cli.recovery_budget import rto_measure as measure
+from ckptrun.cli.recovery_budget import rto_relaunch
+from ckptrun.cli.recovery_budget.rto_relaunch import RelaunchPath
 from ckptrun.cli.recovery_budget.rto_model import ASSUMED, CONFIGURED, ESTIMATED, HISTORY, MEASURED, UNKNOWN, Component, lost_work
 from ckptrun.cli.supervision.policy import STACK_WAIT_S, RestartPolicy, Timeouts
 from ckptrun.cli.supervision.spec import LaunchSpec
 from ckptrun.runtime.manifest import Manifest
+from ckptrun.runtime.verified_read import HASH_THREADS
 
 PROBE_TIMEOUT_S = 600.0
 
@@ -88,8 +92,8 @@ def teardown(target: Target, noop: measure.NoopTimes | None) -> Component:
                          f"median of {count} past restart(s); bound: grace period {fmt(grace)}", facts)
     if noop is not None:
         return Component("teardown", noop.teardown_s, MEASURED,
-                         f"the supervisor's teardown of a no-op {noop.world}-rank torchrun tree; bound: grace period "
-                         f"{fmt(grace)} ({where})", facts)
+                         f"the supervisor's teardown of a no-op {noop.world}-rank torchrun tree ({noop.path.words}); "
+                         f"bound: grace period {fmt(grace)} ({where})", facts)
     return Component("teardown", float(grace), ASSUMED, f"the grace period ({where}) as a bound", facts)
 
 
@@ -106,38 +110,73 @@ def backoff(target: Target) -> Component:
 
 
 def verify(target: Target) -> Component:
-    """Time the supervisor's choice: verify the newest snapshot, falling back to older ones that verify.
+    """Time the supervisor's choice: check the newest snapshot, falling back to older ones it could use.
 
-    A fallback moves ``target.snapshot`` to the snapshot a restart would really restore.
+    Schema 2: every digest, hashed whole, before the relaunch. Schema 3 (chunk digests): manifest and sizes
+    only, what the supervisor runs; the ranks hash as they load (in the restart's restore). A fallback moves
+    ``target.snapshot`` to the snapshot a restart would really restore.
     """
     if target.fetched is not None:
         return _fetched(target.fetched)
-    timing = measure.time_verify(target.snapshot, target.manifest)
+    timing, refused = _check(target.snapshot, target.manifest)
     spent, skipped = timing.seconds, []
-    for path, manifest in target.older if timing.status not in (None, "ok") else []:
-        skipped.append(f"{target.snapshot.name} is {timing.status}")
+    for path, manifest in target.older if refused else []:
+        skipped.append(refused)
         target.snapshot, target.manifest = path, manifest
-        timing = measure.time_verify(path, manifest)
+        timing, refused = _check(path, manifest)
         spent += timing.seconds
-        if timing.status in (None, "ok"):
+        if refused is None:
             break
-    if timing.status not in (None, "ok"):
+    if refused is not None:
         raise CkptrunError(f"no snapshot of the current lineage in {target.ckpt_dir} verifies: a failure now restarts "
                            "from the beginning", f"see `ckptrun verify {target.ckpt_dir}`", EXIT_NO)
-    algorithms = ",".join(sorted({e.algorithm for e in target.manifest.files}))
-    how = (f"{human_bytes(timing.bytes)} in {timing.files} files, {algorithms} at {timing.throughput / 1e6:,.0f} MB/s "
-           f"({timing.threads} threads), {measure.cache_words(timing.resident)}")
-    if timing.status is None:
-        how += f"; sampled {human_bytes(timing.sampled_bytes)} and extrapolated"
+    how = _verify_words(timing, target.manifest)
     if skipped:
         how = (f"WARNING: {'; '.join(skipped)}: a restart falls back to {target.snapshot.name} "
                f"(see `ckptrun verify {target.ckpt_dir}`); then " + how)
     past, count = hist.restart_figure(target.restarts, "verify_s")
     if past is not None:
         how += f"; past restarts: median {fmt(past)} over {count}"
-    facts = {"bytes": timing.bytes, "throughput_bytes_per_s": timing.throughput, "page_cache_resident": timing.resident,
-             "sampled": timing.status is None, "skipped": skipped}
+    facts = {"bytes": timing.bytes, "rule": MANIFEST_AND_SIZES if timing.deferred else WHOLE_FILE_DIGESTS,
+             "throughput_bytes_per_s": None if timing.deferred else timing.throughput,
+             "page_cache_resident": timing.resident, "sampled": timing.status is None, "skipped": skipped}
     return Component("verify", spent, MEASURED, how, facts)
+
+
+MANIFEST_AND_SIZES, WHOLE_FILE_DIGESTS = "manifest-and-sizes", "whole-file-digests"
+
+
+def _check(path: Path, manifest: Manifest) -> tuple[measure.VerifyTiming, str | None]:
+    """The supervisor's check of one snapshot, timed, and why a restart could not use it (None: it could).
+
+    A schema-3 snapshot whose bytes are damaged passes manifest and sizes, so the relaunch would fail at load
+    and the supervisor quarantine it: a small one is hashed now (untimed) to say so and model the fallback.
+    """
+    if not manifest.verified_as_loaded:
+        timing = measure.time_verify(path, manifest)
+        return timing, None if timing.status in (None, "ok") else f"{path.name} is {timing.status}"
+    timing = measure.time_load_check(path, manifest)
+    if timing.status != "ok":
+        return timing, f"{path.name} is {timing.status}"
+    found = measure.scan_digests(path, manifest)
+    if found not in (None, "ok"):
+        return timing, (f"{path.name} is {found} (its manifest and sizes pass the pre-relaunch check, so the "
+                        "relaunched ranks fail loading it and the supervisor quarantines it: one more attempt)")
+    return timing, None
+
+
+def _verify_words(timing: measure.VerifyTiming, manifest: Manifest) -> str:
+    if timing.deferred:
+        return (f"schema {manifest.schema_version}, chunk digests: manifest and sizes of {timing.files} files checked "
+                f"before the relaunch ({human_bytes(timing.bytes)} not hashed here: each rank verifies what it "
+                "loads as it reads it, counted in restart)")
+    algorithms = ",".join(sorted({e.algorithm for e in manifest.files}))
+    how = (f"schema {manifest.schema_version}, whole-file digests: {human_bytes(timing.bytes)} in {timing.files} files, "
+           f"{algorithms} at {timing.throughput / 1e6:,.0f} MB/s ({timing.threads} threads), "
+           f"{measure.cache_words(timing.resident)}")
+    if timing.status is None:
+        how += f"; sampled {human_bytes(timing.sampled_bytes)} and extrapolated"
+    return how
 
 
 def _fetched(choice: Any) -> Component:
@@ -188,9 +227,17 @@ def restart(target: Target, probe: bool, world: int, noop: measure.NoopTimes | N
     if value is not None:
         medians = {name: hist.restart_figure(target.restarts, f"{name}_s")[0] for name in ("startup", "restore", "first_step")}
         parts = ", ".join(f"{name} {fmt(seconds)}" for name, seconds in medians.items() if seconds is not None)
+        path, where = relaunch_path(target)
         return Component("restart", value, HISTORY, f"relaunch to first step, median of {count} past restart(s)"
-                         + (f" ({parts})" if parts else ""))
-    return _estimated(target, noop)
+                         + (f" ({parts})" if parts else "") + f"; those restarts ran the {path.words} ({where})",
+                         {"relaunch_path": path.name, "standby": path.standby})
+    return _estimated(target, noop, world)
+
+
+def relaunch_path(target: Target) -> tuple[RelaunchPath, str]:
+    """The path a restart of this run takes (warm or cold ranks, standby or not), and where that is known from."""
+    _, _, where = target.setting("warm_workers")
+    return rto_relaunch.relaunch_path(target.spec), where
 
 
 def _probed(target: Target, world: int) -> Component:
@@ -212,17 +259,53 @@ def _probed(target: Target, world: int) -> Component:
                      {"probe_s": times.seconds, "restore_s": times.restore_s, "world_size": times.world})
 
 
-def _estimated(target: Target, noop: measure.NoopTimes | None) -> Component:
-    bandwidth, read, resident = measure.read_bandwidth(target.snapshot, target.manifest)
-    restore = target.manifest.total_bytes / bandwidth
+def _estimated(target: Target, noop: measure.NoopTimes | None, world: int) -> Component:
+    restore, restore_words, restore_facts = restore_estimate(target, world)
     step, step_words = setup_and_first_step(target) if target.kind == "run" else first_step(target)
     launch = noop.launch_s if noop is not None else 0.0
-    how = (f"no-op {noop.world}-rank launch to process group {fmt(launch)} (measured) + " if noop else "") + (
-        f"restore {fmt(restore)} (bytes at {bandwidth / 1e9:.2f} GB/s read, {measure.cache_words(resident)}) "
-        f"+ {step_words}; "
-        "--probe measures it for real")
+    path, where = relaunch_path(target)  # what the no-op relaunch ran, too
+    how = (f"no-op {noop.world}-rank relaunch to process group {fmt(launch)} (measured) + " if noop else "") + (
+        f"{restore_words} + {step_words}; modelled relaunch: {path.words} ({where}); --probe measures it for real")
     return Component("restart", launch + restore + step, ESTIMATED, how,
-                     {"launch_s": launch, "restore_s": restore, "read_bytes_per_s": bandwidth, "first_step_s": step})
+                     {"launch_s": launch, **restore_facts, "first_step_s": step, "relaunch_path": path.name,
+                      "standby": path.standby})
+
+
+def restore_estimate(target: Target, world: int) -> tuple[float, str, dict[str, Any]]:
+    """Seconds to restore the snapshot, measured now on its files, with the rule that applied.
+
+    Schema 2: its bytes at one thread's read bandwidth (hashed before the relaunch, not while loading).
+    Schema 3: the slower of reading and hashing as read, which overlap: each rank hashes its items on up to
+    ``HASH_THREADS`` threads, and the node runs at most one thread per CPU, so a rank gets
+    min(CPUs, ranks × HASH_THREADS) / ranks threads' worth of hashing.
+    """
+    manifest, total_bytes = target.manifest, target.manifest.total_bytes
+    bandwidth, _, resident = measure.read_bandwidth(target.snapshot, manifest)
+    read_s = total_bytes / bandwidth
+    read_words = f"bytes at {bandwidth / 1e9:.2f} GB/s read, {measure.cache_words(resident)}"
+    facts: dict[str, Any] = {"restore_s": read_s, "read_bytes_per_s": bandwidth}
+    if not manifest.verified_as_loaded:
+        return read_s, (f"restore {fmt(read_s)} ({read_words}; schema {manifest.schema_version}: hashed whole before "
+                        "the relaunch, not while loading)"), {**facts, "restore_rule": "read"}
+    ranks = max(1, world // _nodes(target))
+    cpus = os.cpu_count() or 1
+    concurrent = min(cpus, ranks * HASH_THREADS)
+    rate = measure.hash_rate(target.snapshot, manifest, concurrent)
+    per_rank = rate.per_thread * concurrent / ranks
+    hash_s = total_bytes / per_rank
+    restore = max(read_s, hash_s)
+    slower = "hashing" if hash_s > read_s else "reading"
+    words = (f"restore {fmt(restore)} = the slower ({slower}) of reading {fmt(read_s)} ({read_words}) and hashing as "
+             f"read {fmt(hash_s)} (schema 3, chunk digests: {rate.per_thread / 1e6:,.0f} MB/s per thread with "
+             f"{rate.threads} hashing at once × {concurrent / ranks:.2g} thread(s) per rank: {ranks} rank(s) × up to "
+             f"{HASH_THREADS} hash threads on {cpus} CPUs)")
+    return restore, words, {**facts, "restore_s": restore, "restore_rule": "slower-of-read-and-hash", "read_s": read_s,
+                            "hash_s": hash_s, "hash_bytes_per_s_per_thread": rate.per_thread,
+                            "hash_threads_per_rank": concurrent / ranks}
+
+
+def _nodes(target: Target) -> int:
+    return int(target.spec.nnodes.split(":")[-1]) if target.spec is not None else 1
 
 
 # --- lost work ----------------------------------------------------------------------------

@@ -4,11 +4,13 @@ Cheap by construction: no probe and no no-op launch (either would compete
 with training for the machine). Each component is the one ``estimate-rto``
 computes (:mod:`ckptrun.cli.recovery_budget.rto_components`), from this run's history or
 measured now: detect and teardown from past restarts, else the poll interval
-and the grace period as bound; verify timed on the newest snapshot now; the
+and the grace period as bound; verify timed on the newest snapshot now (the
+supervisor's own check: whole-file digests, or manifest and sizes for chunk digests); the
 back-off the next restart will wait; restart from past restarts, else this
 run's own launch to first step (an attempt that restored nothing measured
 start-up, imports, process group, the script's set-up and one step) plus the
-restore as the snapshot's bytes ÷ read bandwidth measured now. The supervisor
+restore measured now (:func:`rto_components.restore_estimate`: read bandwidth,
+and for chunk digests the hash rate as the ranks verify while loading). The supervisor
 runs :func:`estimate` on a thread of its own, off its polling path.
 Importable without torch.
 """
@@ -21,7 +23,6 @@ from typing import Any
 from ckptrun.cli.durations import format_duration as fmt
 from ckptrun.cli.recovery_budget import rto_components as parts
 from ckptrun.cli.recovery_budget import rto_history as hist
-from ckptrun.cli.recovery_budget import rto_measure as measure
 from ckptrun.cli.recovery_budget.estimate import find_target
 from ckptrun.cli.recovery_budget.rto_model import (CONFIGURED, ESTIMATED, RTO_PARTS, Component, budget_verdict,
                                                    cost_per_failure, max_interval, total)
@@ -59,9 +60,7 @@ def restart(target: parts.Target) -> Component:
     if any(isinstance(r.get("relaunch_to_first_step_s"), (int, float)) for r in target.restarts):
         return parts.restart(target, False, target.manifest.world_size, None)
     launch, count = hist.launch_to_first_step(target.events, target.metrics)
-    bandwidth, _, resident = measure.read_bandwidth(target.snapshot, target.manifest)
-    restore = target.manifest.total_bytes / bandwidth
-    how = (f"restore {fmt(restore)} (bytes at {bandwidth / 1e9:.2f} GB/s read, {measure.cache_words(resident)})")
+    restore, how, _ = parts.restore_estimate(target, target.manifest.world_size)
     if launch is None:
         return Component("restart", restore, ESTIMATED, how + "; start-up not included (no attempt reached a step yet)")
     return Component("restart", launch + restore, ESTIMATED,

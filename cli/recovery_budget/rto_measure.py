@@ -1,15 +1,21 @@
 """Measurements ``estimate-rto`` makes now, on this machine, on the snapshot it would restore.
 
-* **verify** — the supervisor's one verification before a relaunch, timed on
-  the snapshot itself (whole when it is small, else a sample of its largest
-  files, extrapolated), saying how much of it sat in the page cache.
+* **verify** — the supervisor's one check before a relaunch, timed on the
+  snapshot itself. A schema-2 snapshot is hashed whole there (whole when it is
+  small, else a sample of its largest files, extrapolated), saying how much of
+  it sat in the page cache; a schema-3 one (chunk digests) gets manifest and
+  sizes only, because each rank hashes the bytes it loads.
+* **hash rate** — for that verified-as-read restore: one hashing thread's
+  bytes/s while as many threads hash at once as the restoring ranks run.
 * **read bandwidth** — the same files read again, as restoring ranks read
   them right after the supervisor verified them (so: page-cached, and said so).
-* **no-op attempt** — a torchrun tree of no-op ranks started the way the
-  supervisor starts an attempt (start-up, torch and runtime imports,
-  process-group init), then torn down with the supervisor's own teardown.
+* **no-op attempt** — no-op ranks started the way the supervisor starts a
+  restart of this run (a warm standby agent handed the attempt, ranks forked
+  past their imports — or cold: a fresh agent spawning new interpreters, as
+  the run's options say), to process-group init, then torn down with the
+  supervisor's own teardown (:mod:`ckptrun.cli.recovery_budget.rto_relaunch`).
 * **probes** — the run's own script restoring the newest snapshot and
-  stopping there (``exit_after_restore``), or, for a bare checkpoint
+  stopping there (``exit_after_restore``), relaunched on that same path, or, for a bare checkpoint
   directory, N processes loading it with the runtime's loader and no user code.
 
 torch runs only in child processes (:mod:`ckptrun.cli.recovery_budget.rto_probe`, the user's
@@ -32,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptrun.cli.errors import EXIT_NO, CkptrunError
-from ckptrun.cli.supervision.attempt import AttemptProcess, default_job, torchrun_args, torchrun_command
+from ckptrun.cli.recovery_budget import rto_relaunch as relaunch
+from ckptrun.cli.supervision.attempt import default_job
 from ckptrun.cli.supervision.spec import LaunchSpec
 from ckptrun.runtime import records
 from ckptrun.runtime.env import PREFIX, RunEnv, variable
@@ -41,6 +48,7 @@ from ckptrun.runtime.manifest import Manifest
 from ckptrun.runtime.verify import default_threads, verify_snapshot
 
 SAMPLE_BYTES = 256 << 20  # verify a snapshot whole up to this size, else a sample this big
+HASH_SAMPLE_BYTES = 64 << 20  # hash this much to measure the hash rate of a verified-as-read restore
 
 
 # --- page cache -----------------------------------------------------------------------
@@ -107,6 +115,7 @@ class VerifyTiming:
     resident: float | None
     status: str | None  # the verdict when verified whole; None when sampled
     threads: int
+    deferred: bool = False  # manifest and sizes only: the digests are checked as the ranks load
 
     @property
     def throughput(self) -> float:
@@ -163,6 +172,41 @@ def time_verify(snapshot: Path, manifest: Manifest, sample_bytes: int = SAMPLE_B
     return VerifyTiming(seconds, total, len(manifest.files), hashed, resident, None, threads)
 
 
+def time_load_check(snapshot: Path, manifest: Manifest) -> VerifyTiming:
+    """Time the supervisor's check before relaunching from a chunked (schema 3) snapshot: manifest and
+    sizes only (``verify_snapshot(at_load=True)``, what it runs), no byte hashed."""
+    started = time.monotonic()
+    report = verify_snapshot(snapshot, at_load=True)
+    return VerifyTiming(time.monotonic() - started, manifest.total_bytes, len(manifest.files), 0, None, report.status,
+                        default_threads(), deferred=report.deferred)
+
+
+def scan_digests(snapshot: Path, manifest: Manifest, limit: int = SAMPLE_BYTES) -> str | None:
+    """The whole-file verdict on a snapshot up to ``limit`` bytes (None above): what a verified-as-read
+    load would find, found now. Not part of any timing."""
+    return verify_snapshot(snapshot).status if manifest.total_bytes <= limit else None
+
+
+@dataclass(frozen=True)
+class HashRate:
+    per_thread: float  # bytes/s of one hashing thread while ``threads`` hash at once
+    threads: int
+    sampled_bytes: int
+    resident: float | None
+
+
+def hash_rate(snapshot: Path, manifest: Manifest, threads: int, sample_bytes: int = HASH_SAMPLE_BYTES) -> HashRate:
+    """One thread's hash rate while ``threads`` threads hash at once, as :func:`time_verify` samples: the
+    largest files' first bytes, one thread each. Bytes-weighted over the threads (a tiny file's open
+    would dominate a slowest-thread figure)."""
+    sample = _sample(snapshot, manifest, sample_bytes, threads)
+    resident = resident_fraction([(path, length) for path, length, _ in sample])
+    with ThreadPoolExecutor(len(sample)) as pool:
+        results = list(pool.map(lambda item: _hash_prefix(*item), sample))
+    hashed, busy = sum(done for done, _ in results), sum(seconds for _, seconds in results)
+    return HashRate(hashed / busy if busy > 0 else float("inf"), len(sample), hashed, resident)
+
+
 def read_bandwidth(snapshot: Path, manifest: Manifest, sample_bytes: int = SAMPLE_BYTES) -> tuple[float, int, float | None]:
     """(bytes/s, bytes read, resident share) reading the snapshot's files, one thread, as a rank restores."""
     parts, left = [], sample_bytes
@@ -196,59 +240,13 @@ def _child_env(run_env: RunEnv | None = None, run_id: str | None = None) -> dict
     return env
 
 
-def _spec_for(spec: LaunchSpec | None, world: int) -> LaunchSpec:
-    base = spec.model_copy() if spec is not None else LaunchSpec()
-    base.nproc_per_node, base.master_port = str(world), None
-    return base
-
-
-@dataclass(frozen=True)
-class NoopTimes:
-    launch_s: float  # attempt start → every rank imported and joined the process group
-    teardown_s: float  # the supervisor's teardown of that tree
-    world: int
+NoopTimes = relaunch.NoopTimes
 
 
 def noop_attempt(world: int, spec: LaunchSpec | None, timeout: float = 120.0) -> NoopTimes:
-    """Start a torchrun tree of ``world`` no-op ranks like an attempt, wait until all are ready, tear it down."""
-    run_id = f"rto-noop-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory(prefix="ckptrun-rto-") as scratch:
-        work = Path(scratch)
-        command = torchrun_command(work / "failures.json", torchrun_args(_spec_for(spec, world), work / "logs"),
-                                   ["-m", "ckptrun.cli.recovery_budget.rto_probe", "noop", str(work / "ready")])
-        attempt = AttemptProcess(command, _child_env(run_id=run_id), work / "console.log")
-        try:
-            ready = _wait_ready(attempt, work / "ready", world, timeout)
-        finally:
-            teardown = attempt.teardown(spec.grace_period if spec else 60.0, run_id)
-        if ready is None:
-            raise CkptrunError(f"a no-op torchrun of {world} rank(s) did not start within {timeout:g}s: "
-                               f"{_tail(work / 'console.log')}",
-                               "check that torchrun runs here (python -m torch.distributed.run)")
-        return NoopTimes(ready - attempt.started, teardown, world)
-
-
-def _wait_ready(attempt: Any, ready_dir: Path, world: int, timeout: float) -> float | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = list(ready_dir.glob("rank-*"))
-        if len(files) >= world:
-            try:
-                return max(json.loads(f.read_text())["time"] for f in files)
-            except (OSError, ValueError, KeyError):
-                pass
-        if attempt.exit_code() is not None:
-            return None
-        time.sleep(0.02)
-    return None
-
-
-def _tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "no output"
-    return " | ".join(text[-lines:]) or "no output"
+    """No-op ranks started the way a restart of this run starts them (warm standby, forked or spawned
+    ranks: :mod:`ckptrun.cli.recovery_budget.rto_relaunch`), timed to ready, then torn down."""
+    return relaunch.noop_attempt(world, spec, _child_env(), timeout)
 
 
 @dataclass(frozen=True)
@@ -274,24 +272,25 @@ def probe_run(spec: LaunchSpec, run_id: str, snapshot: Path, world: int, attempt
                      supervised=True, resume_from=snapshot, precision=spec.precision, seed=spec.seed,
                      deterministic=spec.deterministic, threads=spec.threads, hash_algorithm=spec.hash_algorithm,
                      allow_changes=tuple(spec.allow_changes), allow_reshard=True, exit_after_restore=True)  # any world size
-        command = torchrun_command(work / "failures.json", torchrun_args(_spec_for(spec, world), work / "logs"), target)
-        attempt = AttemptProcess(command, _child_env(env), work / "console.log")
-        try:
-            attempt.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            attempt.teardown(spec.grace_period, probe_id)
+        path = relaunch.relaunch_path(spec)  # started as a restart of the run would start it
+        command = relaunch.attempt_command(path, spec, world, work, target)
+        with relaunch.relaunched(path, probe_id, command, _child_env(env), work, timeout) as attempt:
+            try:
+                attempt.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                attempt.teardown(spec.grace_period, probe_id)
         restored = records.read_events(work / "run", "probe_restored")
         if attempt.popen.returncode != 0 or not restored:
             raise CkptrunError(f"probe: the run's script did not restore {snapshot.name} on {world} rank(s) "
-                               f"(exit code {attempt.popen.returncode}): {_tail(work / 'console.log')}",
+                               f"(exit code {attempt.popen.returncode}): {relaunch.tail(work / 'console.log')}",
                                "a real restart would fail the same way: run it by hand with "
                                "CKPTRUN_EXIT_AFTER_RESTORE=1 to see the whole error", EXIT_NO)
         event = restored[-1]
         return ProbeTimes(float(event["time"]) - attempt.started, float(event.get("seconds", 0.0)),
                           _number(event.get("since_process_start")), world,
-                          f"the run's script on {world} rank(s)")
+                          f"the run's script on {world} rank(s), relaunched on the {path.words}")
 
 
 def probe_checkpoint(snapshot: Path, world: int, timeout: float) -> ProbeTimes:

@@ -126,7 +126,7 @@ def _publish_token(job: JobStore, record: RunRecord, paths: NodePaths) -> None:
 
 def _pick_snapshot(paths: NodePaths, settings: NodeSettings, record: RunRecord, argv: list[str]) -> tuple[int, Snapshot]:
     """A resume's snapshot, as ``resume_run`` picks it (the store's newest for an object-store run)."""
-    snapshot = _newest(ckpt_dir_of(record.spec, paths.root), record.spec, paths.root)
+    snapshot = _newest(ckpt_dir_of(record.spec, paths.root), record.spec, paths.root, record.run_id)
     first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(paths.root, "attempt_start")), default=0)
     records.log_event(paths.root, "resume", attempt=first, snapshot=str(snapshot.path), snapshot_step=snapshot.step,
                       argv=argv, forked=False, nnodes=settings.nnodes)

@@ -141,7 +141,7 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
         plain = bool(records.read_events(run_dir, "plain_script"))  # it resumes from its own files
         if source and record.spec.store_url:
             raise CkptrunError("resume --from is not supported on an object store yet", "use --latest")
-        snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir, record.spec, run_dir)
+        snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir, record.spec, run_dir, record.run_id)
         _refuse_unasked_reshard(record.spec, snapshot)
         write_run_record(run_dir, record)
         first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(run_dir, "attempt_start")), default=0)
@@ -171,8 +171,9 @@ def _refuse_unasked_reshard(spec: LaunchSpec, snapshot: Snapshot | None) -> None
                            EXIT_UNRECOVERABLE)
 
 
-def _newest(ckpt_dir: Path, spec: LaunchSpec | None = None, run_dir: Path | None = None) -> Snapshot:
-    remote = store_location.store_of(spec)
+def _newest(ckpt_dir: Path, spec: LaunchSpec | None = None, run_dir: Path | None = None,
+            run_id: str | None = None) -> Snapshot:
+    remote = store_location.store_of(spec, run_id)  # this run's snapshots only
     if remote is not None:  # the store's newest committed snapshot, as the supervisor picks it (verified, local copy)
         started = time.monotonic()
         choice = store_location.fetch_newest(remote, ckpt_dir, lambda line: print(f"ckptrun: {line}", file=sys.stderr))

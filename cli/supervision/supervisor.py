@@ -27,6 +27,7 @@ from ckptrun.cli.supervision.observation import AttemptWatch, Observation, Outco
 from ckptrun.cli.supervision.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect,
                                             stale_ranks, waiting_on_peers)
 from ckptrun.cli.supervision.recovery import Recovery, RecoveryOptions, relaunch_parts
+from ckptrun.cli.supervision import unloadable
 from ckptrun.cli.supervision.snapshot_source import SnapshotUnavailable
 from ckptrun.runtime.faults import parse_faults
 
@@ -301,11 +302,14 @@ class Supervisor:
             return False
         for record in self.world.attempt_events("restore_failed"):
             if record.get("snapshot") == str(watch.resume.path):
-                moved = self.world.quarantine(watch.resume.path, "unloadable", str(record.get("reason", "")))
+                reason = str(record.get("reason", ""))
+                status = unloadable.status(reason)  # corrupt: a chunk failed its digest; unloadable: bytes match
+                moved = self.world.quarantine(watch.resume.path, status, reason)
                 self.world.event("snapshot_quarantined", attempt=watch.attempt, snapshot=str(watch.resume.path),
-                                 step=watch.resume.step, status="unloadable", reason=record.get("reason"),
-                                 moved_to=str(moved))
-                self.world.say(f"snapshot step {watch.resume.step} verifies but does not load: moved to {moved}")
+                                 step=watch.resume.step, status=status, reason=record.get("reason"),
+                                 cause=unloadable.cause(reason), moved_to=str(moved),
+                                 digest_failures=[f.to_json() for f in unloadable.digest_failures(reason)])
+                self.world.say(unloadable.describe(watch.resume.step, reason, moved))
                 return True
         return False
 
