@@ -137,3 +137,13 @@ def test_supervisor_side_imports_without_torch(module: str) -> None:
     code = f"import sys, ckptrun.cli.{module}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.parametrize("given, told", [({}, "auto"), ({"require_exact_resume": True}, 1),
+                                         ({"require_exact_resume": True, "decision_every_steps": 8}, 8)])
+def test_an_exact_resume_run_shares_its_facts_every_step_unless_told_otherwise(given, told) -> None:
+    """The exact-resume check needs the original line of every replayed step; a crash takes unshared lines."""
+    from ckptrun.runtime.env import RunEnv
+
+    env = RunEnv.from_env(RunEnv(**build_spec(given).worker_policy()).to_env())
+    assert env.decision_every_steps == told

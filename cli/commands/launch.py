@@ -105,7 +105,7 @@ def launch(
     warm_workers: Optional[bool] = typer.Option(None, "--warm-workers/--no-warm-workers", help="Fork the ranks from the torchrun agent, past `import torch` (off: a new interpreter per rank, for a script that does not tolerate fork). [default: on]", rich_help_panel=SUPERVISION, show_default=False),
     rto_budget: Optional[str] = _opt("--rto-budget", "Estimate the RTO after the first snapshot; warn when it exceeds this (e.g. 2m). Caps --save-every auto.", RECOVERY, metavar="DURATION"),
     strict_budget: Optional[bool] = _opt("--strict-budget", "With --rto-budget: stop the run (saved, exit 1) when the estimate is over it.", RECOVERY),
-    require_exact_resume: Optional[bool] = _opt("--require-exact-resume", "End the run (exit 4) when a resume's replayed losses diverge from the originals.", RECOVERY),
+    require_exact_resume: Optional[bool] = _opt("--require-exact-resume", "End the run (exit 4) when a resume's replayed losses diverge from the originals (ranks then share facts every step unless --decision-every-steps is given).", RECOVERY),
     ranks_output: Optional[str] = _opt("--ranks-output", "Ranks whose output the launcher shows, prefixed [rankN]: all, none, or ranks like 0 or 0,3 (logs/attempt-N/console.log keeps all). [default: all]", SUPERVISION, metavar="all|none|RANKS"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (run id, dir, exit code) on stdout."),
 ) -> int:

@@ -17,6 +17,7 @@ Importable without torch.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,21 @@ from ckptrun.cli.recovery_budget.rto_model import (CONFIGURED, ESTIMATED, RTO_PA
 from ckptrun.runtime import records
 
 
+VANISHED_RETRIES = 3  # the run goes on while its snapshot is measured: retention may delete it under us
+
+
 def estimate(run_dir: Path, backoff_s: float, budget_s: float | None) -> dict[str, Any]:
-    """The RTO now, each component with its source, and the verdict against ``budget_s`` (the event's fields)."""
+    """The RTO now, each component with its source, and the verdict against ``budget_s`` (the event's fields).
+
+    The snapshot measured is the newest when the estimate starts; if retention deletes it meanwhile (a
+    file vanishes mid-read), the estimate starts again on the then-newest one."""
+    for _ in range(VANISHED_RETRIES):
+        with contextlib.suppress(FileNotFoundError):
+            return _estimate(run_dir, backoff_s, budget_s)
+    return _estimate(run_dir, backoff_s, budget_s)
+
+
+def _estimate(run_dir: Path, backoff_s: float, budget_s: float | None) -> dict[str, Any]:
     target = find_target(run_dir)
     checked = parts.verify(target)  # first: a fallback changes the snapshot the rest is about
     components = {

@@ -221,6 +221,10 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
         The run's location, attempt and supervisor facts are the world's to add."""
         same = {name: getattr(self, name) for name in RunEnv.model_fields
                 if name in type(self).model_fields and name not in ("run_dir", "ckpt_dir")}
+        if self.require_exact_resume and same.get("decision_every_steps") == "auto":
+            # the check compares every replayed step with the original's line, and a crash takes the lines the
+            # ranks had not shared yet: an exact-resume run shares every step (N given explicitly is kept)
+            same["decision_every_steps"] = 1
         return {**same, **store_location.worker_fields(self.store_url, self.cache_dir, merge_options(self.store_options, self.store_secrets)),
                 "fault": self.inject_fault, "mtbf_seconds": self.mtbf,
                 "save_every_auto": self.save_every == "auto", "heartbeat_interval": self.heartbeat_interval}
