@@ -24,6 +24,7 @@ script). Importable without torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -276,9 +277,8 @@ def probe_run(spec: LaunchSpec, run_id: str, snapshot: Path, world: int, attempt
         command = relaunch.attempt_command(path, spec, world, work, target)
         with relaunch.relaunched(path, probe_id, command, _child_env(env), work, timeout) as attempt:
             try:
-                attempt.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
+                with contextlib.suppress(subprocess.TimeoutExpired):  # a probe past its allowance is torn down all the same
+                    attempt.popen.wait(timeout=timeout)
             finally:
                 attempt.teardown(spec.grace_period, probe_id)
         restored = records.read_events(work / "run", "probe_restored")

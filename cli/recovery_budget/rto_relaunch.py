@@ -14,6 +14,7 @@ with the supervisor's teardown. Importable without torch (torch runs in the chil
 
 from __future__ import annotations
 
+import contextlib
 import json
 from contextlib import contextmanager
 import tempfile
@@ -136,10 +137,8 @@ def _wait_ready(attempt: Any, ready_dir: Path, world: int, timeout: float) -> fl
     while time.monotonic() < deadline:
         files = list(ready_dir.glob("rank-*"))
         if len(files) >= world:
-            try:
+            with contextlib.suppress(OSError, ValueError, KeyError):  # a rank's file half written: read it next poll
                 return max(json.loads(f.read_text())["time"] for f in files)
-            except (OSError, ValueError, KeyError):
-                pass
         if attempt.exit_code() is not None:
             return None
         time.sleep(0.02)
