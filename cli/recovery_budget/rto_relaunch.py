@@ -52,12 +52,9 @@ class RelaunchPath:
 
 
 def relaunch_path(spec: LaunchSpec | None) -> RelaunchPath:
-    """The supervisor's own rule (``supervision/world.py``): warm workers need a numeric ``--nproc-per-node``."""
-    fields = LaunchSpec.model_fields
-    standby = spec.standby if spec is not None else fields["standby"].default
-    warm = spec.warm_workers if spec is not None else fields["warm_workers"].default
-    numeric = spec.nproc_per_node.isdigit() if spec is not None else True
-    return RelaunchPath(bool(standby), bool(warm) and numeric)
+    """The supervisor's own rule (:attr:`LaunchSpec.forks_ranks`), from the run's options or the defaults."""
+    spec = spec if spec is not None else LaunchSpec()
+    return RelaunchPath(bool(spec.standby), spec.forks_ranks)
 
 
 @dataclass(frozen=True)

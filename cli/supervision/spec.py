@@ -211,6 +211,12 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
         return int(self.nproc_per_node) * int(self.nnodes.split(":")[-1]) if self.nproc_per_node.isdigit() else None
 
     @property
+    def forks_ranks(self) -> bool:
+        """Whether an attempt's ranks are forked from the agent (warm): ``--warm-workers`` and a numeric
+        ``--nproc-per-node`` (for gpu/auto, torchrun probes devices first)."""
+        return bool(self.warm_workers) and self.nproc_per_node.isdigit()
+
+    @property
     def heartbeat_interval(self) -> float:
         """How often workers beat: often enough that a few missed beats are not yet a hang."""
         return min(1.0, self.heartbeat_timeout / 5)

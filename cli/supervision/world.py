@@ -82,7 +82,7 @@ class LocalWorld:
         self.target, self.progress = target, progress
         self.attempt = 0
         self.process: AttemptProcess | None = None
-        self.warm = spec.warm_workers and spec.nproc_per_node.isdigit()  # gpu/auto: torchrun probes devices first
+        self.warm = spec.forks_ranks
         self.standby = StandbyKeeper(spec.standby, run_id, paths.logs / "standby.log", self.event, warm=self.warm)
         self.identity: dict[str, str] = {}  # the run id and node of C1: what a standby carries from its start
         self.rank_output: RankOutput | None = None
