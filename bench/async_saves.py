@@ -59,7 +59,7 @@ class Variant:
 
 
 def _ckptrun_variant(state: BigState, scratch: Path) -> Variant:
-    from ckptrun.runtime.saver import Saver
+    from ckptrun.runtime.checkpoint.saver import Saver
 
     saver = Saver(scratch / "ckptrun-async", "sha256", asynchronous=True)
     save_once(saver, state)  # allocates the staging buffers once, as the first save of a run does

@@ -157,8 +157,9 @@ class BigState:
 
     def collect(self) -> Any:
         """The snapshot.State ckptrun's Run._collect builds at a save (state_dicts split, RNG captured)."""
-        from ckptrun.runtime import rng, snapshot
-        from ckptrun.runtime.treecodec import split
+        from ckptrun.runtime.step import rng
+        from ckptrun.runtime.checkpoint import snapshot
+        from ckptrun.runtime.checkpoint.treecodec import split
 
         trees, tensors = {}, {}
         for name, obj in (("model", self.model), ("optimizer", self.optimizer)):
@@ -189,7 +190,8 @@ def build_state(nbytes: int, seed: int = 0) -> BigState:
 
 
 def snapshot_info(ckpt_dir: Path, step: int) -> Any:
-    from ckptrun.runtime import snapshot, store
+    from ckptrun.runtime.checkpoint import snapshot
+    from ckptrun.runtime.storage import store
 
     lineage = store.ensure_lineage(ckpt_dir, "bench").current
     return snapshot.SnapshotInfo(run_id="bench", lineage=lineage, parent=None, step=step, epoch=0, samples_seen=0,
@@ -204,7 +206,7 @@ def save_once(saver: Any, state: BigState, on_result: Callable[[Any], None] = la
 
 def settle(saver: Any) -> Any:
     """Wait for the save in flight; delete what it published; return its result."""
-    from ckptrun.runtime import store
+    from ckptrun.runtime.storage import store
 
     results = saver.collect(wait=True)
     if not results or not results[-1].ok:

@@ -24,8 +24,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(f"gpu-check: skipped: no CUDA device on this machine (torch {torch.__version__}); nothing was checked")
         return 0
-    from ckptrun.runtime import stepper
-    from ckptrun.runtime.precision import Policy, PrecisionUnavailable, resolve
+    from ckptrun.runtime.step import stepper
+    from ckptrun.runtime.step.precision import Policy, PrecisionUnavailable, resolve
 
     major, minor = torch.cuda.get_device_capability()
     print(f"gpu-check: {torch.cuda.get_device_name()} (compute capability {major}.{minor}), torch {torch.__version__}")

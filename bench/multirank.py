@@ -35,8 +35,9 @@ args = parser.parse_args()
 
 # ----------------------------------------------------------------------------- snapshots
 import torch.distributed as dist
-from ckptrun.runtime import collectives, store
-from ckptrun.runtime.saver import Saver
+from ckptrun.runtime import collectives
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.saver import Saver
 
 init_world(args.rank, args.world, args.port)
 state = build_state(args.bytes)

@@ -57,8 +57,8 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _store(endpoint: str):
-    from ckptrun.runtime.ckpt_url import StoreUrl
-    from ckptrun.runtime.remote_store import FsspecStore
+    from ckptrun.runtime.storage.ckpt_url import StoreUrl
+    from ckptrun.runtime.storage.remote_store import FsspecStore
 
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     store = FsspecStore(StoreUrl("s3", f"{bucket}/ckpt"), {"endpoint_url": endpoint})
@@ -77,10 +77,11 @@ def _save(saver, state) -> tuple[float, object]:
 
 
 def measure(scratch: Path, repeats: int) -> dict[str, Figure]:
-    from ckptrun.runtime import snapshot, store as local_store
-    from ckptrun.runtime.saver import Saver
-    from ckptrun.runtime.tiering import choose
-    from ckptrun.runtime.verify import verify_snapshot
+    from ckptrun.runtime.checkpoint import snapshot
+    from ckptrun.runtime.storage import store as local_store
+    from ckptrun.runtime.checkpoint.saver import Saver
+    from ckptrun.runtime.checkpoint.tiering import choose
+    from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
     os.environ.update(CREDENTIALS)
     scratch.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,8 @@ from snapshots import Snapshots
 
 
 def restore_once(path: Path, full_verify: bool = False) -> float:
-    from ckptrun.runtime import snapshot
-    from ckptrun.runtime.verify import verify_snapshot
+    from ckptrun.runtime.checkpoint import snapshot
+    from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
     started = time.perf_counter()
     report = verify_snapshot(path, at_load=not full_verify)

@@ -97,8 +97,8 @@ def per_call_costs(run_dir: Path) -> dict[str, float]:
     """Medians of single calls of the step-boundary pieces, in seconds."""
     from ckptrun.runtime import records
     from ckptrun.runtime.env import RunEnv
-    from ckptrun.runtime.liveness import Heartbeater
-    from ckptrun.runtime.step_hook import StepHook
+    from ckptrun.runtime.worker.liveness import Heartbeater
+    from ckptrun.runtime.worker.step_hook import StepHook
 
     heart = Heartbeater(run_dir, 0, 1, interval=3600.0)
     heart.beat(0, "train")

@@ -30,7 +30,7 @@ class Snapshots:
 
 
 def write_w1(state: BigState, ckpt_dir: Path, algorithm: str) -> Path:
-    from ckptrun.runtime.saver import Saver
+    from ckptrun.runtime.checkpoint.saver import Saver
 
     saver = Saver(ckpt_dir, algorithm, asynchronous=False)
     save_once(saver, state)

@@ -27,7 +27,7 @@ from common import WRITTEN, BigState, Figure, interleave, save_once, settle, wri
 
 
 def _ckptrun_trial(state: BigState, ckpt_dir: Path, algorithm: str) -> Callable[[], float]:
-    from ckptrun.runtime.saver import Saver
+    from ckptrun.runtime.checkpoint.saver import Saver
 
     saver = Saver(ckpt_dir, algorithm, asynchronous=False)
     save_once(saver, state)  # staging buffers are allocated once per run
@@ -40,7 +40,7 @@ def _ckptrun_trial(state: BigState, ckpt_dir: Path, algorithm: str) -> Callable[
         seconds = time.perf_counter() - started
         if not result.ok:
             raise RuntimeError(f"ckptrun sync save failed: {result.error}")
-        from ckptrun.runtime import store
+        from ckptrun.runtime.storage import store
 
         store.delete_snapshot(result.path)
         return seconds

@@ -57,7 +57,7 @@ def hash_files(paths: list[Path], new: Callable[[], Any]) -> float:
 
 
 def verify_seconds(path: Path) -> float:
-    from ckptrun.runtime.verify import verify_snapshot
+    from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
     started = time.perf_counter()
     report = verify_snapshot(path)

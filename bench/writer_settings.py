@@ -3,7 +3,7 @@
     python bench/writer_settings.py 10:1.0 5:1.0 10:0.5 --dcp dcp_bgstaging --repeats 10
 
 Each ``NICE:DUTY`` is one ckptrun async saver (``Saver(nice=, duty=)``, see
-``runtime/saver.py`` and ``runtime/pacing.py``); ``--dcp`` adds DCP modes from
+``runtime/checkpoint/saver.py`` and ``runtime/checkpoint/pacing.py``); ``--dcp`` adds DCP modes from
 ``async_saves.py``. Every repeat runs each of them once on the same 64 MiB
 model + AdamW state with the same probe loop, in rotated order, plus a sync
 save (``save_total_s``, the bound of issue 6: ``persist_s <= 2 x save_total_s``).
@@ -31,7 +31,7 @@ from common import MiB, ProbeLoop, build_state, init_world, interleave, load_ave
 
 def _ckptrun(state, scratch: Path, nice: int, duty: float):
     import async_saves
-    from ckptrun.runtime.saver import Saver
+    from ckptrun.runtime.checkpoint.saver import Saver
 
     saver = Saver(scratch / f"nice{nice}-duty{duty}", "sha256", asynchronous=True, nice=nice, duty=duty)
     save_once(saver, state)
@@ -55,7 +55,7 @@ def main() -> int:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import async_saves
-    from ckptrun.runtime.saver import Saver
+    from ckptrun.runtime.checkpoint.saver import Saver
 
     init_world()
     state = build_state(64 * MiB)

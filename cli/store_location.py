@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_REFUSED, CkptrunError
-from ckptrun.runtime.ckpt_url import StoreUrl, UrlError, merge_options, parse, parse_storage_options, split_secrets
-from ckptrun.runtime.remote_store import FsspecStore
+from ckptrun.runtime.storage.ckpt_url import StoreUrl, UrlError, merge_options, parse, parse_storage_options, split_secrets
+from ckptrun.runtime.storage.remote_store import FsspecStore
 
 STAGING = "staging"  # RUN_DIR/staging: a store run's local copies without --local-cache, emptied after each upload
 STORAGE_OPTION = "--storage-option"
@@ -138,10 +138,10 @@ def store_of_run(run_dir: Path) -> FsspecStore | None:
 
 
 def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], None] = lambda _: None) -> Any:
-    """The restore a restart would do (:func:`ckptrun.runtime.tiering.choose`) into ``cache`` (None: a
+    """The restore a restart would do (:func:`ckptrun.runtime.checkpoint.tiering.choose`) into ``cache`` (None: a
     temporary directory); exit 1 when no snapshot of the line verifies, 2 when the store cannot be listed."""
-    from ckptrun.runtime.tiering import choose
-    from ckptrun.runtime.transfer import describe
+    from ckptrun.runtime.checkpoint.tiering import choose
+    from ckptrun.runtime.storage.transfer import describe
 
     target = cache if cache is not None else Path(tempfile.mkdtemp(prefix="ckptrun-fetch-"))
     if cache is None:

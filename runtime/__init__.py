@@ -11,19 +11,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ckptrun.runtime.data import DataLoader, ResumableSampler
+    from ckptrun.runtime.step.data import DataLoader, ResumableSampler
     from ckptrun.runtime.env import RunEnv
-    from ckptrun.runtime.session import Run
-    from ckptrun.runtime.startup import init
+    from ckptrun.runtime.step.session import Run
+    from ckptrun.runtime.step.startup import init
 
 __all__ = ["DataLoader", "ResumableSampler", "Run", "RunEnv", "init"]
 
 _HOME = {
-    "DataLoader": "ckptrun.runtime.data",
-    "ResumableSampler": "ckptrun.runtime.data",
-    "Run": "ckptrun.runtime.session",
+    "DataLoader": "ckptrun.runtime.step.data",
+    "ResumableSampler": "ckptrun.runtime.step.data",
+    "Run": "ckptrun.runtime.step.session",
     "RunEnv": "ckptrun.runtime.env",
-    "init": "ckptrun.runtime.startup",
+    "init": "ckptrun.runtime.step.startup",
 }
 
 

@@ -1,4 +1,4 @@
-"""Synthetic snapshots for tests, built through runtime.store without torch.
+"""Synthetic snapshots for tests, built through runtime.storage.store without torch.
 
 The files are arbitrary bytes: what matters to verify, retention and lineage is
 the manifest and the directory layout, not what the tensors mean.
@@ -10,7 +10,7 @@ import json
 import pickle
 from pathlib import Path
 
-import ckptrun.runtime.store as store
+import ckptrun.runtime.storage.store as store
 from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.manifest import MANIFEST_NAME, FileEntry, Manifest
 

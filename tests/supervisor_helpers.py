@@ -139,7 +139,7 @@ STACK_IN_SCRIPT = """Thread 0x1 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 327 in wait
 
 Current thread 0x2 (most recent call first):
-  File "/w/runtime/session.py", line 98 in _fire
+  File "/w/runtime/step/session.py", line 98 in _fire
   File "/w/train.py", line 77 in <module>
   File "<frozen runpy>", line 198 in _run_module_as_main
 """

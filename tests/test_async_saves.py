@@ -16,10 +16,10 @@ import threading
 
 import pytest
 
-from ckptrun.runtime import store
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import read_events, read_metrics
-from ckptrun.runtime.verify import IN_PROGRESS, verify_dir
+from ckptrun.runtime.checkpoint.verify import IN_PROGRESS, verify_dir
 from workers import run_job
 
 FAST = ("--num-workers", "0")
@@ -101,7 +101,7 @@ def test_blake3_manifests_verify_and_catch_corruption(tmp_path):
 # --- the paced background writer (runtime.pacing) ------------------------------------------------
 
 def test_pacer_pauses_only_the_paced_thread_after_each_chunk():
-    from ckptrun.runtime import pacing
+    from ckptrun.runtime.checkpoint import pacing
 
     with pacing.paced(0.5, chunk=1000) as pacer:
         pacing.wrote(600)
@@ -124,9 +124,10 @@ PACED_SAVE = r"""
 import json, os, signal, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from ckptrun.runtime import pacing, snapshot, store
-from ckptrun.runtime.saver import Saver
-from ckptrun.runtime.treecodec import split
+from ckptrun.runtime.checkpoint import pacing, snapshot
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.saver import Saver
+from ckptrun.runtime.checkpoint.treecodec import split
 
 ckpt, port, kill = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "kill"
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -19,13 +19,15 @@ import torch
 from snapshot_factory import flip_byte, make_snapshot, manifest_dict, write_manifest_dict
 from workers import run_job, shared_tensors
 
-from ckptrun.runtime import snapshot, store
-from ckptrun.runtime.dcp_io import load_metadata
+from ckptrun.runtime.checkpoint import snapshot
+
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.dcp_io import load_metadata
 from ckptrun.runtime.hashing import SUB_CHUNK, HashingWriter, chunks_digest, entry_hasher, hash_file
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import losses_by_attempt, read_events
-from ckptrun.runtime.saver import Saver
-from ckptrun.runtime.verify import verify_snapshot
+from ckptrun.runtime.checkpoint.saver import Saver
+from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
 FSDP_JOB = Path(__file__).parent / "fixtures" / "fsdp_job.py"
 TENSORS = {"model.w": (300, 41), "model.b": (7,), "optimizer.m": (70_001,)}  # 70001 floats: hashed on the helper thread
@@ -306,7 +308,7 @@ def test_a_corrupt_chunk_only_rank_1_reads_fails_the_load_on_both_ranks_and_fall
 
 
 def test_memory_file_serves_torch_load_without_copying_the_buffer():
-    from ckptrun.runtime.verified_read import MemoryFile
+    from ckptrun.runtime.checkpoint.verified_read import MemoryFile
 
     buffer = io.BytesIO()
     torch.save(torch.arange(10), buffer)

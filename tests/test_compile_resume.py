@@ -45,7 +45,7 @@ def test_switching_torch_compile_between_attempts_resumes(tmp_path, first, secon
 
 
 def test_snapshots_name_the_model_inside_torch_compile_and_old_prefixed_keys_still_load():
-    from ckptrun.runtime.wrappers import canonical, unwrap
+    from ckptrun.runtime.checkpoint.wrappers import canonical, unwrap
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     compiled = torch.compile(model, backend="eager")

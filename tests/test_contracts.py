@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 from snapshot_factory import make_snapshot
 
-import ckptrun.runtime.store as store
+import ckptrun.runtime.storage.store as store
 from ckptrun.runtime.env import EnvError, RunEnv, known_variables
 from ckptrun.runtime.faults import Fault, FaultSpecError, parse_faults
 from ckptrun.runtime.manifest import FileEntry, Manifest, read_manifest

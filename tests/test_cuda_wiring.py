@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ckptrun.runtime import collectives, stepper
-from ckptrun.runtime.precision import Policy, resolve
+from ckptrun.runtime import collectives
+
+from ckptrun.runtime.step import stepper
+from ckptrun.runtime.step.precision import Policy, resolve
 
 RECORDED = ("init_process_group", "new_group", "all_reduce", "broadcast", "all_gather", "barrier")
 

@@ -25,7 +25,7 @@ from ckptrun.cli.recovery_budget.rto_model import cost_per_failure, daly, goodpu
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, write_run_record
 from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.records import log_event
-from ckptrun.runtime.verified_read import HASH_THREADS
+from ckptrun.runtime.checkpoint.verified_read import HASH_THREADS
 from snapshot_factory import flip_byte, manifest_dict, write_manifest_dict
 from workers import run_job
 

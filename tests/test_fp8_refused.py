@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from launch_helpers import ckptrun
 
-from ckptrun.runtime.precision import Decision, Policy, PrecisionUnavailable, resolve
+from ckptrun.runtime.step.precision import Decision, Policy, PrecisionUnavailable, resolve
 
 
 def test_launch_with_fp8_is_refused_before_any_rank_starts_and_leaves_no_run_dir(tmp_path) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from snapshot_factory import make_snapshot
 
-CONTRACTS = ["env", "manifest", "hashing", "store", "verify", "records", "faults", "policies"]
+CONTRACTS = ["env", "manifest", "hashing", "records", "faults", "storage.store", "storage.ckpt_url", "checkpoint.verify",
+             "checkpoint.policies", "step.preflight", "worker.bootstrap"]
 
 
 def torch_loaded_after(statement: str) -> bool:

@@ -18,9 +18,9 @@ import pytest
 import torch
 from launch_helpers import Cleanup, assert_losses_equal, assert_no_processes, events, start, tail
 
-from ckptrun.runtime import store
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.records import final_losses
-from ckptrun.runtime.verify import IN_PROGRESS, OK, VANISHED, verify_dir, verify_snapshot
+from ckptrun.runtime.checkpoint.verify import IN_PROGRESS, OK, VANISHED, verify_dir, verify_snapshot
 from workers import shared_tensors
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,7 @@ from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_losses_equal, asse
 
 from ckptrun.cli.supervision.recovery import STARTUP_PARTS
 from ckptrun.runtime.records import final_losses
-from ckptrun.runtime.verify import verify_dir
+from ckptrun.runtime.checkpoint.verify import verify_dir
 
 pytestmark = pytest.mark.e2e
 JOB_STEPS = 30  # the default job's length

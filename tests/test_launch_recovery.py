@@ -14,8 +14,8 @@ import pytest
 from launch_helpers import Cleanup, assert_no_processes, ckptrun, events, one
 
 from ckptrun.cli.recovery_budget.rto_model import daly
-from ckptrun.runtime.store import current_lineage
-from ckptrun.runtime.verify import newest_verified
+from ckptrun.runtime.storage.store import current_lineage
+from ckptrun.runtime.checkpoint.verify import newest_verified
 
 pytestmark = pytest.mark.e2e
 QUICK = ["--heartbeat-timeout", "5", "--startup-timeout", "60", "--restart-backoff", "0.1"]

@@ -116,7 +116,7 @@ def test_unresumable_inputs_are_refused_naming_the_alternative():
 def test_stateful_dataloader_state_is_stored_without_pickles():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from ckptrun.runtime.treecodec import join, split
+    from ckptrun.runtime.checkpoint.treecodec import join, split
 
     loader = StatefulDataLoader(TensorDataset(torch.arange(20)), batch_size=4, shuffle=True)
     iterator = iter(loader)

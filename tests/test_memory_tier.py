@@ -27,12 +27,12 @@ from ckptrun.cli.errors import CkptrunError
 from ckptrun.cli.supervision import memory_tier as tier
 from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.cli.supervision.spec import LaunchSpec, build_spec
-from ckptrun.runtime import store
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.manifest import FileEntry, Manifest
-from ckptrun.runtime import snapshot
-from ckptrun.runtime.memory_tier import MemoryCadence, MemoryTier, apply_memory_retention, steps_between
+from ckptrun.runtime.checkpoint import snapshot
+from ckptrun.runtime.checkpoint.memory_tier import MemoryCadence, MemoryTier, apply_memory_retention, steps_between
 from ckptrun.runtime.records import final_losses, read_events
 
 RUN = "test-run"

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptrun.runtime import ckpt_url
-from ckptrun.runtime.policies import Retention
+from ckptrun.runtime.storage import ckpt_url
+from ckptrun.runtime.checkpoint.policies import Retention
 from ckptrun.runtime.records import final_losses, read_events, same_float
-from ckptrun.runtime.remote_store import FsspecStore, chain, open_store
-from ckptrun.runtime.retention import apply_remote_retention
-from ckptrun.runtime.tiering import LOCAL, REMOTE, choose
-from ckptrun.runtime.verify import verify_remote_dir
+from ckptrun.runtime.storage.remote_store import FsspecStore, chain, open_store
+from ckptrun.runtime.checkpoint.retention import apply_remote_retention
+from ckptrun.runtime.checkpoint.tiering import LOCAL, REMOTE, choose
+from ckptrun.runtime.checkpoint.verify import verify_remote_dir
 from s3_server import S3Server, free_port, start_server
 from workers import run_id_for, run_job, shared_tensors
 

@@ -20,7 +20,7 @@ import pytest
 from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events, one, run_processes, start,
                             tail, wait_for)
 
-from ckptrun.runtime.bootstrap import names_runtime
+from ckptrun.runtime.worker.bootstrap import names_runtime
 from ckptrun.runtime.env import variable
 from ckptrun.runtime.records import read_heartbeats, read_metrics
 
@@ -62,7 +62,7 @@ def bootstrap(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedPr
     path.write_text(script)
     c1 = {variable("supervised"): "1", variable("run_dir"): str(tmp_path / "run"), variable("heartbeat_interval"): "60"}
     environ = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")} | c1 | env
-    return subprocess.run([sys.executable, "-m", "ckptrun.runtime.bootstrap", str(path)], env=environ,
+    return subprocess.run([sys.executable, "-m", "ckptrun.runtime.worker.bootstrap", str(path)], env=environ,
                           capture_output=True, text=True, timeout=120)
 
 

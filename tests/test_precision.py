@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckptrun.runtime import stepper
-from ckptrun.runtime.precision import Decision, Policy, bf16_native, resolve, to_float
+from ckptrun.runtime.step import stepper
+from ckptrun.runtime.step.precision import Decision, Policy, bf16_native, resolve, to_float
 from ckptrun.runtime.records import losses_by_attempt, read_events, read_fatal, read_metrics
 from workers import run_job
 

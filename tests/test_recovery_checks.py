@@ -19,8 +19,8 @@ from ckptrun.cli.supervision.recovery import RecoveryOptions
 from ckptrun.cli.supervision.resume_check import (DIVERGED, EXACT, WITHIN, ResumeWatch, StepLog, flagged,
                                                   resume_verdict, throughput_ratio)
 from ckptrun.cli.supervision.spec import build_spec
-from ckptrun.runtime import policies
-from ckptrun.runtime.policies import AutoCadence
+from ckptrun.runtime.checkpoint import policies
+from ckptrun.runtime.checkpoint.policies import AutoCadence
 
 NAN, ULP = float("nan"), math.ulp(2.0)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptrun.cli.supervision.resume_check import DIVERGED, WITHIN, ResumeWatch
-from ckptrun.runtime.data import ResumableSampler
+from ckptrun.runtime.step.data import ResumableSampler
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import final_losses, read_events, read_fatal
 from launch_helpers import FIXTURES, ckptrun, events, one

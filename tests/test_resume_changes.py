@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from ckptrun.runtime import hparams
+from ckptrun.runtime.step import hparams
 from ckptrun.runtime.records import read_events, read_metrics
 from launch_helpers import COMMON, ckptrun, one
 
@@ -97,7 +97,7 @@ def test_set_lr_refuses_what_it_cannot_rescale():
     """A zero base rate cannot be scaled, and OneCycleLR keeps its own max_lr: one clear error, not a silent no-op."""
     import torch
 
-    from ckptrun.runtime.hparams import set_lr
+    from ckptrun.runtime.step.hparams import set_lr
 
     model = torch.nn.Linear(2, 2)
     zero = torch.optim.SGD(model.parameters(), lr=0.0)

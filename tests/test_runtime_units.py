@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from ckptrun.runtime import rng
-from ckptrun.runtime.data import ResumableSampler
-from ckptrun.runtime.dcp_io import RestrictedUnpickler, UnsafeMetadataError
-from ckptrun.runtime.policies import FailedSaves, Retention, SaveCadence
-from ckptrun.runtime.treecodec import join, split, tensor_keys
+from ckptrun.runtime.step import rng
+from ckptrun.runtime.step.data import ResumableSampler
+from ckptrun.runtime.checkpoint.dcp_io import RestrictedUnpickler, UnsafeMetadataError
+from ckptrun.runtime.checkpoint.policies import FailedSaves, Retention, SaveCadence
+from ckptrun.runtime.checkpoint.treecodec import join, split, tensor_keys
 
 
 def test_optimizer_state_round_trips_through_json_and_tensors():
@@ -109,7 +109,7 @@ def test_restricted_unpickler_refuses_code():
     ],
 )
 def test_config_change_table(saved, current, allowed, refused):
-    from ckptrun.runtime.policies import refused_changes
+    from ckptrun.runtime.checkpoint.policies import refused_changes
 
     assert refused_changes(saved, current, allowed) == refused
 
@@ -124,7 +124,7 @@ def _window_verdict(history: list[float], loss: float, sigma: float) -> bool:
 @pytest.mark.parametrize("base,spread", [(2.3, 0.05), (1e4, 1e-6), (0.0, 1.0)])
 def test_anomaly_running_sums_agree_with_the_window(base, spread):
     """The O(1) running sums flag exactly what the window's own mean and std flag, flat losses included."""
-    from ckptrun.runtime.anomaly import AnomalyDetector
+    from ckptrun.runtime.step.anomaly import AnomalyDetector
 
     detector, rng_ = AnomalyDetector(window=20, sigma=3.0), random.Random(0)
     for step in range(600):
@@ -141,7 +141,7 @@ def test_heartbeat_file_is_rewritten_in_place_and_read_whole(tmp_path):
     """In-place beats: each read sees the last whole beat; a shorter beat leaves no tail; a fork does not write."""
     import os
 
-    from ckptrun.runtime.liveness import Heartbeater
+    from ckptrun.runtime.worker.liveness import Heartbeater
     from ckptrun.runtime.records import heartbeat_path, read_heartbeat, read_heartbeats
 
     heart = Heartbeater(tmp_path, 3, 1, interval=3600.0)

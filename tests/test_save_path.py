@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptrun.runtime import snapshot, store, zip_crc
-from ckptrun.runtime.saver import Saver
-from ckptrun.runtime.treecodec import split
-from ckptrun.runtime.writeback import StreamingFile
+from ckptrun.runtime.checkpoint import snapshot, zip_crc
+
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.saver import Saver
+from ckptrun.runtime.checkpoint.treecodec import split
+from ckptrun.runtime.checkpoint.writeback import StreamingFile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,10 +118,11 @@ RANK_SCRIPT = r"""
 import json, sys, tempfile
 from pathlib import Path
 import torch, torch.distributed as dist
-from ckptrun.runtime import snapshot, store, zip_crc
-from ckptrun.runtime.save_plan import OwnedKeys
-from ckptrun.runtime.saver import Saver
-from ckptrun.runtime.treecodec import split
+from ckptrun.runtime.checkpoint import snapshot, zip_crc
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.save_plan import OwnedKeys
+from ckptrun.runtime.checkpoint.saver import Saver
+from ckptrun.runtime.checkpoint.treecodec import split
 
 rank, world, port = map(int, sys.argv[1:4])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

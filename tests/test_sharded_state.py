@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptrun.runtime import snapshot, train_state
-from ckptrun.runtime.dcp_io import load_metadata
+from ckptrun.runtime.checkpoint import snapshot, train_state
+from ckptrun.runtime.checkpoint.dcp_io import load_metadata
 from ckptrun.runtime.manifest import MANIFEST_NAME, read_manifest
 from ckptrun.runtime.records import losses_by_attempt, read_events
-from ckptrun.runtime.saver import Saver
-from ckptrun.runtime.verify import verify_snapshot
+from ckptrun.runtime.checkpoint.saver import Saver
+from ckptrun.runtime.checkpoint.verify import verify_snapshot
 from workers import run_job, shared_tensors
 
 FSDP_JOB = Path(__file__).parent / "fixtures" / "fsdp_job.py"

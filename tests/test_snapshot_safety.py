@@ -15,12 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptrun.runtime import dcp_io, hashing, records, snapshot, store
-from ckptrun.runtime.dcp_io import load_metadata
+from ckptrun.runtime.checkpoint import dcp_io, snapshot
+
+from ckptrun.runtime import hashing, records
+
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.dcp_io import load_metadata
 from ckptrun.runtime.hashing import hash_file
-from ckptrun.runtime.policies import Retention
-from ckptrun.runtime.retention import apply_retention
-from ckptrun.runtime.saver import Saver
+from ckptrun.runtime.checkpoint.policies import Retention
+from ckptrun.runtime.checkpoint.retention import apply_retention
+from ckptrun.runtime.checkpoint.saver import Saver
 
 ODD = 10_001  # float32 elements: not a multiple of any buffer size, so a buffered tail is left to flush
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptrun.runtime import store
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import read_events, read_fatal
-from ckptrun.runtime.verify import newest_verified, verify_dir
+from ckptrun.runtime.checkpoint.verify import newest_verified, verify_dir
 from snapshot_factory import flip_byte, plant_pickle
 from workers import run_job
 

@@ -2,7 +2,7 @@
 
 A standby is the next attempt's agent, started while an attempt trains and given its word on a restart
 (``cli/supervision/standby.py``); warm workers are ranks forked from the agent, past ``import torch``
-(``runtime/warm_start.py``). One rank where ranks are not the point. Timings are never asserted: how much
+(``runtime/worker/warm_start.py``). One rank where ranks are not the point. Timings are never asserted: how much
 faster it restarts lives in ``bench/peer_restart.py``.
 """
 

@@ -20,12 +20,12 @@ from socket import socket
 import pytest
 import torch
 
-from ckptrun.runtime import store
-from ckptrun.runtime.decisions import INTERVAL_S, MAX_EVERY, WARMUP_BATCHES, choose_every
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.step.decisions import INTERVAL_S, MAX_EVERY, WARMUP_BATCHES, choose_every
 from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.precision import Policy, resolve
+from ckptrun.runtime.step.precision import Policy, resolve
 from ckptrun.runtime.records import read_events, read_heartbeats, read_metrics
-from ckptrun.runtime.session import Run
+from ckptrun.runtime.step.session import Run
 from launch_helpers import FIXTURES, kill_tree
 
 STEPS = 6

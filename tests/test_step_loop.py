@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ckptrun.runtime.records import read_events, read_metrics
-from ckptrun.runtime.session import Run
+from ckptrun.runtime.step.session import Run
 from launch_helpers import FIXTURES
 from workers import run_job
 

@@ -23,14 +23,14 @@ from ckptrun.cli.supervision.rundir import RunLock, RunPaths
 from ckptrun.cli.supervision.snapshot_source import SnapshotSource, SnapshotUnavailable
 from ckptrun.cli.supervision.spec import RunRecord, build_spec
 from ckptrun.cli.supervision.world import LocalWorld
-from ckptrun.runtime.ckpt_url import StoreUrl
-from ckptrun.runtime.policies import Retention
-from ckptrun.runtime.remote_store import FsspecStore, ManifestUnreadable
-from ckptrun.runtime.retention import apply_remote_retention
-from ckptrun.runtime.store import snapshot_name
-from ckptrun.runtime.store_backend import LocalStore
-from ckptrun.runtime.tiering import choose
-from ckptrun.runtime.transfer import Retry, StoreUnavailable, copy_snapshot
+from ckptrun.runtime.storage.ckpt_url import StoreUrl
+from ckptrun.runtime.checkpoint.policies import Retention
+from ckptrun.runtime.storage.remote_store import FsspecStore, ManifestUnreadable
+from ckptrun.runtime.checkpoint.retention import apply_remote_retention
+from ckptrun.runtime.storage.store import snapshot_name
+from ckptrun.runtime.storage.store_backend import LocalStore
+from ckptrun.runtime.checkpoint.tiering import choose
+from ckptrun.runtime.storage.transfer import Retry, StoreUnavailable, copy_snapshot
 
 ONCE = Retry(attempts=1)
 SECRET = "S3CRET-do-not-write"

@@ -20,9 +20,9 @@ from supervisor_helpers import T0, ScriptedWorld, supervisor, training
 
 from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot
 from ckptrun.cli.supervision.recovery import RecoveryOptions
-from ckptrun.runtime import store
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.records import read_heartbeats
-from ckptrun.runtime.verify import newest_verified
+from ckptrun.runtime.checkpoint.verify import newest_verified
 
 
 @pytest.fixture

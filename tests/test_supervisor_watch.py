@@ -1,7 +1,7 @@
 """A dead supervisor leaves nothing it started, whatever its ranks are doing — even when nobody reaps it.
 
 A SIGKILLed supervisor whose parent has not waited for it yet is a zombie: it keeps its pid and create time.
-The watches (every rank's and the torchrun wrapper's, :mod:`ckptrun.runtime.liveness`) once took that for a
+The watches (every rank's and the torchrun wrapper's, :mod:`ckptrun.runtime.worker.liveness`) once took that for a
 live supervisor, so a hung rank and its torchrun stayed forever (the orphan of a two-node run whose leader was
 killed). Here the "supervisor" is a stand-in process the test kills and deliberately does not reap, and the
 attempt is the real wrapper (``python -m ckptrun.cli.supervision.agent``, torchrun) with two ranks stuck where
@@ -22,7 +22,7 @@ from launch_helpers import kill_tree, wait_for
 
 from ckptrun.cli.supervision.attempt import processes_of_run
 from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.liveness import supervisor_alive
+from ckptrun.runtime.worker.liveness import supervisor_alive
 
 STUCK = """
 import os, re, sys
@@ -57,7 +57,7 @@ def test_an_unreaped_dead_supervisor_leaves_no_rank_in_c_code_or_in_a_collective
     env = RunEnv(run_id=run_id, run_dir=tmp_path, supervisor_pid=stand_in.pid,
                  supervisor_start_time=psutil.Process(stand_in.pid).create_time())
     command = [sys.executable, "-m", "ckptrun.cli.supervision.agent", str(tmp_path / "failures.json"), "--standalone",
-               "--nproc-per-node", "2", "--max-restarts", "0", "-m", "ckptrun.runtime.bootstrap",
+               "--nproc-per-node", "2", "--max-restarts", "0", "-m", "ckptrun.runtime.worker.bootstrap",
                str(tmp_path / "stuck.py"), str(tmp_path)]
     with open(tmp_path / "agent.log", "wb") as log:
         agent = subprocess.Popen(command, env={**os.environ, **env.to_env()}, stdout=log, stderr=subprocess.STDOUT,

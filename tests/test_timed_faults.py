@@ -40,7 +40,7 @@ def test_kill_at_fires_from_a_timer_in_the_middle_of_a_save(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from ckptrun.runtime.fault_injection import FaultInjector
+        from ckptrun.runtime.worker.fault_injection import FaultInjector
         from ckptrun.runtime.faults import parse_faults
         injector = FaultInjector(parse_faults("kill-at:rank=0:after=0.3"), rank=0, attempt=1, run_dir=Path({str(tmp_path)!r}))
         injector.during_save(7, "stage")

@@ -17,7 +17,7 @@ from test_chunk_digests import item_ranges, save
 
 from ckptrun.cli.supervision import unloadable
 from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot
-from ckptrun.runtime import snapshot
+from ckptrun.runtime.checkpoint import snapshot
 
 
 def load_failure(path: Path) -> str:

@@ -18,7 +18,7 @@ from snapshot_factory import (
     write_manifest_dict,
 )
 
-import ckptrun.runtime.store as store
+import ckptrun.runtime.storage.store as store
 
 
 def ckptrun(*args: str | Path) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ import psutil
 
 import torch.distributed.checkpoint as dcp
 from ckptrun.cli.supervision.attempt import processes_of_run
-from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, load_metadata
+from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata, load_metadata
 from ckptrun.runtime.env import RunEnv
 
 TEMPLATE = "ckptrun.templates.default_job"

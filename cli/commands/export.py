@@ -29,10 +29,10 @@ from ckptrun.cli.humanize import human_bytes
 from ckptrun.cli.supervision.spec import RUN_JSON
 from ckptrun.runtime import records
 from ckptrun.cli import store_location
-from ckptrun.runtime.ckpt_url import StoreUrl
+from ckptrun.runtime.storage.ckpt_url import StoreUrl
 from ckptrun.runtime.manifest import MANIFEST_NAME, read_manifest
-from ckptrun.runtime.store import LINEAGE_NAME, list_entries
-from ckptrun.runtime.verify import OK, SnapshotReport, newest_verified, verify_snapshot
+from ckptrun.runtime.storage.store import LINEAGE_NAME, list_entries
+from ckptrun.runtime.checkpoint.verify import OK, SnapshotReport, newest_verified, verify_snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -135,9 +135,9 @@ def checkpoint_dir(path: Path) -> Path:
 def read_weights(snapshot_dir: Path, name: str) -> dict[str, torch.Tensor]:
     """The tracked object ``name``'s tensors, read with the safe DCP reader in this one process."""
     import torch.distributed.checkpoint as dcp
-    from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, load_metadata
-    from ckptrun.runtime.snapshot import DCP_DIR, STATE_JSON
-    from ckptrun.runtime.treecodec import join, tensor_keys
+    from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata, load_metadata
+    from ckptrun.runtime.checkpoint.snapshot import DCP_DIR, STATE_JSON
+    from ckptrun.runtime.checkpoint.treecodec import join, tensor_keys
 
     shared = json.loads((snapshot_dir / STATE_JSON).read_text())
     objects, aliases = shared.get("objects", {}), shared.get("aliases", {})
@@ -160,7 +160,7 @@ def plain_state_dict(state: dict[str, Any], averaged: bool) -> dict[str, torch.T
     """Tensors only, with wrapper prefixes removed (an AveragedModel's ``module.``; torch.compile's)."""
     import torch
 
-    from ckptrun.runtime.wrappers import COMPILE_PREFIX  # snapshots of older ckptrun kept torch.compile's prefix
+    from ckptrun.runtime.checkpoint.wrappers import COMPILE_PREFIX  # snapshots of older ckptrun kept torch.compile's prefix
 
     out = {}
     for key, value in state.items():

@@ -1,7 +1,7 @@
 """``ckptrun precision-report RUN_DIR``: which dtype each operator class really ran in.
 
 Reads ``RUN_DIR/precision.json``, written by the runtime on rank 0 after the
-first optimizer step of a run (see ``ckptrun.runtime.precision_report``).
+first optimizer step of a run (see ``ckptrun.runtime.step.precision_report``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every check is a function of run directories (and the launch spec) to one
 :class:`Check`: ``pass``, ``warn``, ``fail`` or ``skipped``, the measured
 figure, and the reason in words a person can act on. The scratch runs are
-``learn`` (the first batch repeated, :mod:`ckptrun.runtime.preflight`) and
+``learn`` (the first batch repeated, :mod:`ckptrun.runtime.step.preflight`) and
 ``resume`` (saved, killed after three more steps, restored, replayed). The
 arithmetic is the rest of ckptrun's: the resume verdict of
 :mod:`~ckptrun.cli.supervision.resume_check`, the RTO model of ``estimate-rto``, the
@@ -31,7 +31,7 @@ from ckptrun.cli.supervision.memory_tier import SHM_ROOT
 from ckptrun.cli.supervision.recovery import CUT
 from ckptrun.cli.supervision.resume_check import DIVERGED, resume_verdict
 from ckptrun.runtime import records
-from ckptrun.runtime.preflight import read_digests
+from ckptrun.runtime.step.preflight import read_digests
 
 PASS, WARN, FAIL, SKIPPED = "pass", "warn", "fail", "skipped"
 NAMES = ("learns", "resumes", "speed", "snapshot", "budgets", "precision")  # the order of the table
@@ -163,8 +163,8 @@ def speed(run_dir: Path, script_steps: int | None) -> Check:
 
 def snapshot(run_dir: Path, ckpt_dir: Path) -> Check:
     """Size, stall, background persist and restore time from the events; verify speed measured now."""
-    from ckptrun.runtime.store import list_entries
-    from ckptrun.runtime.verify import verify_snapshot
+    from ckptrun.runtime.storage.store import list_entries
+    from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
     saved, restored = records.read_events(run_dir, "snapshot_saved"), records.read_events(run_dir, "restored")
     failed = records.read_events(run_dir, "save_failed")

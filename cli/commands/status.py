@@ -33,9 +33,9 @@ from ckptrun.cli.supervision.rundir import RunPaths, holder, latest_run, node_ho
 from ckptrun.cli.supervision.spec import RUN_JSON, LaunchSpec
 from ckptrun.runtime import records
 from ckptrun.runtime.manifest import Manifest
-from ckptrun.runtime.store import LineageError, current_lineage, published
-from ckptrun.runtime.remote_store import FsspecStore
-from ckptrun.runtime.verify import verify_remote, verify_snapshot
+from ckptrun.runtime.storage.store import LineageError, current_lineage, published
+from ckptrun.runtime.storage.remote_store import FsspecStore
+from ckptrun.runtime.checkpoint.verify import verify_remote, verify_snapshot
 
 WATCH_INTERVAL_S = 2.0
 RATE_WINDOW_S = 60.0  # step rates (stragglers, steps/s) are measured over this much recent time

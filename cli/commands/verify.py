@@ -2,7 +2,7 @@
 
 PATH is a checkpoint directory (``step-*`` snapshots, ``lineage.json``), a run
 directory (its ``checkpoints/`` is used), or one snapshot directory. The verdict
-per snapshot comes from :mod:`ckptrun.runtime.verify`; this module only picks
+per snapshot comes from :mod:`ckptrun.runtime.checkpoint.verify`; this module only picks
 what to check, shows progress on stderr and prints the report on stdout (a table,
 or one JSON document with ``--json``).
 
@@ -28,11 +28,11 @@ import typer
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_age, human_bytes
 from ckptrun.cli.store_location import location
-from ckptrun.runtime.ckpt_url import StoreUrl
-from ckptrun.runtime.remote_store import FsspecStore
-from ckptrun.runtime.transfer import describe
+from ckptrun.runtime.storage.ckpt_url import StoreUrl
+from ckptrun.runtime.storage.remote_store import FsspecStore
+from ckptrun.runtime.storage.transfer import describe
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
-from ckptrun.runtime.store import (
+from ckptrun.runtime.storage.store import (
     ABANDONED_DIR,
     LINEAGE_NAME,
     QUARANTINE_DIR,
@@ -45,7 +45,7 @@ from ckptrun.runtime.store import (
     quarantine_reason,
     read_lineage,
 )
-from ckptrun.runtime.verify import (
+from ckptrun.runtime.checkpoint.verify import (
     CORRUPT,
     IN_PROGRESS,
     INCOMPLETE,

@@ -24,9 +24,9 @@ from ckptrun.cli.recovery_budget.rto_measure import noop_attempt
 from ckptrun.cli.recovery_budget.rto_model import RTO_PARTS, Component, budget_verdict, cost_per_failure, daly, goodput, total, young
 from ckptrun.cli.supervision.spec import read_run_record
 from ckptrun.runtime import records
-from ckptrun.runtime.ckpt_url import StoreUrl
+from ckptrun.runtime.storage.ckpt_url import StoreUrl
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
-from ckptrun.runtime.store import LINEAGE_NAME, LineageError, current_lineage, list_entries
+from ckptrun.runtime.storage.store import LINEAGE_NAME, LineageError, current_lineage, list_entries
 
 PATH_HINT = "pass a run directory (it has events.jsonl or checkpoints/) or a checkpoint directory with step-NNNNNNNNN snapshots"
 

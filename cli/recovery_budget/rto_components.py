@@ -27,7 +27,7 @@ from ckptrun.cli.recovery_budget.rto_model import ASSUMED, CONFIGURED, ESTIMATED
 from ckptrun.cli.supervision.policy import STACK_WAIT_S, RestartPolicy, Timeouts
 from ckptrun.cli.supervision.spec import LaunchSpec
 from ckptrun.runtime.manifest import Manifest
-from ckptrun.runtime.verified_read import HASH_THREADS
+from ckptrun.runtime.checkpoint.verified_read import HASH_THREADS
 
 PROBE_TIMEOUT_S = 600.0
 

@@ -46,7 +46,7 @@ from ckptrun.runtime import records
 from ckptrun.runtime.env import PREFIX, RunEnv, variable
 from ckptrun.runtime.hashing import CHUNK, new_hasher
 from ckptrun.runtime.manifest import Manifest
-from ckptrun.runtime.verify import default_threads, verify_snapshot
+from ckptrun.runtime.checkpoint.verify import default_threads, verify_snapshot
 
 SAMPLE_BYTES = 256 << 20  # verify a snapshot whole up to this size, else a sample this big
 HASH_SAMPLE_BYTES = 64 << 20  # hash this much to measure the hash rate of a verified-as-read restore

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptrun.runtime.policies import daly  # noqa: F401 - one formula: the runtime's auto cadence and estimate-rto
+from ckptrun.runtime.checkpoint.policies import daly  # noqa: F401 - one formula: the runtime's auto cadence and estimate-rto
 
 # where a component's value comes from, most trustworthy first
 MEASURED, HISTORY, ESTIMATED, CONFIGURED, ASSUMED, UNKNOWN = (

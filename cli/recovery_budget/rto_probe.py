@@ -35,7 +35,7 @@ def _since_process_start() -> float:
 def noop(ready_dir: Path) -> int:
     import torch.distributed as dist
 
-    import ckptrun.runtime.session  # noqa: F401 - the imports a runtime rank pays for
+    import ckptrun.runtime.step.session  # noqa: F401 - the imports a runtime rank pays for
 
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
@@ -52,7 +52,7 @@ def load(snapshot_dir: Path) -> int:
     started = time.monotonic()
     import torch  # noqa: F401
 
-    from ckptrun.runtime import snapshot
+    from ckptrun.runtime.checkpoint import snapshot
 
     imported = time.monotonic()
     loaded = snapshot.load(snapshot_dir)

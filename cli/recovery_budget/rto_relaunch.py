@@ -3,7 +3,7 @@
 A restart does not start like a first launch. With ``--standby`` (the default) the next attempt's
 torchrun agent was started while the failed attempt trained, and is past its imports when the
 supervisor hands it the attempt; with ``--warm-workers`` (the default, when ``--nproc-per-node`` is a
-number) that agent forks its ranks past ``import torch`` and the runtime (``runtime/warm_start.py``)
+number) that agent forks its ranks past ``import torch`` and the runtime (``runtime/worker/warm_start.py``)
 instead of starting a new interpreter per rank. Timing a cold torchrun launch for such a run made the
 estimate five times the measured restart. So :func:`noop_attempt` builds the path the supervisor would
 take from the run's own options (:func:`relaunch_path`): it pre-starts a standby the supervisor's way

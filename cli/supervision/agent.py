@@ -12,7 +12,7 @@ left behind. It exits with ``os._exit`` once torchrun returns: a restart
 waits for this process, and finalising torch is slow. This is a separate
 process (it imports torch); the CLI never imports it.
 
-With warm workers (``--start-method fork --run-path runtime/warm_start.py``, see that module) the ranks
+With warm workers (``--start-method fork --run-path runtime/worker/warm_start.py``, see that module) the ranks
 are forked from this process: what it has loaded is frozen out of the garbage collector first (fewer
 copied pages in each rank), and torch's log line about a failed forked rank is kept without the agent's
 traceback (formatting it imports ``torch._dynamo``: seconds, on the restart's critical path).
@@ -32,7 +32,7 @@ from ckptrun.cli.supervision.attempt import kill_all, wait_gone
 from ckptrun.cli.supervision.failures import RankFailure, from_error_file, write_failures
 from ckptrun.cli.supervision.warm_ranks import RankEnds
 from ckptrun.runtime.env import EnvError, RunEnv
-from ckptrun.runtime.liveness import watch_supervisor
+from ckptrun.runtime.worker.liveness import watch_supervisor
 
 RANKS_EXIT_S = 3.0
 FORKED_RANKS_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs a forked rank's failure with its traceback

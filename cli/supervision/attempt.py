@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # annotations only: the agent process imports this module and
 
 RUN_ID_VARIABLE = variable("run_id")
 NODE_VARIABLE = variable("node")
-WARM_PIDS = "warm-ranks"  # in an attempt's log dir: one pid file per forked rank (runtime/warm_start.py)
+WARM_PIDS = "warm-ranks"  # in an attempt's log dir: one pid file per forked rank (runtime/worker/warm_start.py)
 FAILED_GRACE_S = 1.0  # SIGTERM -> SIGKILL for a failed attempt's survivors (they have nothing to save)
 
 
@@ -58,18 +58,18 @@ def torchrun_args(spec: LaunchSpec, log_dir: Path) -> list[str]:
 
 def torchrun_command(failures_json: Path, torchrun_args: list[str], target: list[str],
                      warm_pids: Path | None = None) -> list[str]:
-    """``python -m ckptrun.cli.supervision.agent FAILURES … torchrun args … -m ckptrun.runtime.bootstrap TARGET``;
-    with ``warm_pids``, ranks forked from the agent (``--start-method fork``) that run ``runtime/warm_start.py``
+    """``python -m ckptrun.cli.supervision.agent FAILURES … torchrun args … -m ckptrun.runtime.worker.bootstrap TARGET``;
+    with ``warm_pids``, ranks forked from the agent (``--start-method fork``) that run ``runtime/worker/warm_start.py``
     and write their pid files into that directory."""
-    start = ["-m", "ckptrun.runtime.bootstrap"] if warm_pids is None else \
+    start = ["-m", "ckptrun.runtime.worker.bootstrap"] if warm_pids is None else \
         ["--start-method", "fork", "--run-path", str(warm_start_file()), str(warm_pids)]
     return [sys.executable, "-m", "ckptrun.cli.supervision.agent", str(failures_json), *torchrun_args,
             "--max-restarts", "0", *start, *target]
 
 
 def warm_start_file() -> Path:
-    """``runtime/warm_start.py``, the entry of a forked rank (found without importing it)."""
-    return Path(str(files("ckptrun.runtime").joinpath("warm_start.py")))
+    """``runtime/worker/warm_start.py``, the entry of a forked rank (found without importing it)."""
+    return Path(str(files("ckptrun.runtime.worker").joinpath("warm_start.py")))
 
 
 class AttemptProcess:
@@ -177,7 +177,7 @@ class AttemptProcess:
 
 
 def _warm_rank(pid_dir: Path, pid: int) -> dict[str, int] | None:
-    """The pid file (``runtime/warm_start.py``) of the forked rank ``pid``, if it has written one."""
+    """The pid file (``runtime/worker/warm_start.py``) of the forked rank ``pid``, if it has written one."""
     for path in pid_dir.glob("rank-*.json"):
         try:
             facts = json.loads(path.read_text())

@@ -3,7 +3,7 @@
 With ``--memory-every-steps`` the supervisor creates ``/dev/shm/ckptrun-<run id>-<host>``
 (mode 0700) before the first attempt, names it in C1 (``RunEnv.memory_dir``)
 and deletes it when it leaves, whatever the exit path (the world's ``close``).
-The ranks write ordinary snapshots there (:mod:`ckptrun.runtime.memory_tier`);
+The ranks write ordinary snapshots there (:mod:`ckptrun.runtime.checkpoint.memory_tier`);
 because the supervisor, not a rank, owns the directory, they survive a rank
 crash. A supervisor killed with SIGKILL cannot clean up: the next ckptrun
 supervisor on the host removes directories whose owner is gone.
@@ -35,9 +35,9 @@ import psutil
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
 from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.cli.supervision.rundir import alive
-from ckptrun.runtime import store
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import ManifestError, read_manifest
-from ckptrun.runtime.verify import verify_snapshot
+from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
 SHM_ROOT = Path("/dev/shm")
 DIR_PREFIX = "ckptrun-"

@@ -25,8 +25,8 @@ from typing import Callable
 from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
 from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.runtime.manifest import ManifestError, read_manifest
-from ckptrun.runtime.store import list_entries, read_lineage
-from ckptrun.runtime.verify import verify_snapshot
+from ckptrun.runtime.storage.store import list_entries, read_lineage
+from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
 ANSWER_S = 30.0  # a node's verdict on its share; after this the leader hashes the share itself
 POLL_S = 0.05

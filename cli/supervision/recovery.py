@@ -192,7 +192,7 @@ def budget_hint(fields: dict[str, Any], strict: bool) -> str:
     return f"{cut}; or raise --rto-budget (now {fmt(fields.get('budget_s'))}){tail}"
 
 
-# start-up, split at the worker's milestones (ckptrun.runtime.timeline): each part ends at its milestone
+# start-up, split at the worker's milestones (ckptrun.runtime.worker.timeline): each part ends at its milestone
 STARTUP_PARTS = (("process", "spawn_s"),  # torchrun's own start, rendezvous, spawning the worker
                  ("bootstrap", "interpreter_s"),  # the worker's Python and the bootstrap's imports
                  ("torch_imported", "import_torch_s"),

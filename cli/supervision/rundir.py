@@ -29,7 +29,7 @@ from ckptrun.runtime import records
 
 LOCK_NAME = ".lock"
 HOLDER_NAME = "supervisor.json"
-STOP_NAME = "stop"  # the workers' stop channel (ckptrun.runtime.session checks RUN_DIR/stop)
+STOP_NAME = "stop"  # the workers' stop channel (ckptrun.runtime.step.session checks RUN_DIR/stop)
 RUNS_ROOT = Path("runs")
 
 

@@ -32,9 +32,9 @@ from ckptrun.cli.supervision.world import Estimator, LocalWorld
 from ckptrun.runtime import records
 from ckptrun.runtime.env import NOT_IMPLEMENTED
 from ckptrun.runtime.manifest import ManifestError, read_manifest
-from ckptrun.runtime.store import fork, list_entries, snapshot_name
-from ckptrun.runtime.transfer import describe
-from ckptrun.runtime.verify import newest_verified, verify_snapshot
+from ckptrun.runtime.storage.store import fork, list_entries, snapshot_name
+from ckptrun.runtime.storage.transfer import describe
+from ckptrun.runtime.checkpoint.verify import newest_verified, verify_snapshot
 
 
 def ckpt_dir_of(spec: LaunchSpec, run_dir: Path) -> Path:

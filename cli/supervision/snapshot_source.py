@@ -1,11 +1,11 @@
 """Which snapshot the supervisor restarts from, for a local checkpoint dir or an object store.
 
-Local: the newest snapshot of the lineage that verifies (:func:`runtime.verify.newest_verified`): for a
+Local: the newest snapshot of the lineage that verifies (:func:`runtime.checkpoint.verify.newest_verified`): for a
 chunked (schema 3) manifest only manifest and sizes are checked here, because the workers verify every
 byte they load as they read it; older snapshots are hashed whole.
 Object store: the newest committed manifest of the line, loaded from the
 verified local copy when it is the same snapshot, else downloaded into the
-local directory with every object hashed (:mod:`ckptrun.runtime.tiering`); a
+local directory with every object hashed (:mod:`ckptrun.runtime.checkpoint.tiering`); a
 ``restore_source`` event says which and why. Either way the workers load a
 local directory. A snapshot the workers could not load is skipped on the
 store too (by its manifest digest), and a fork — a resumed attempt that
@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckptrun.cli.supervision.observation import Snapshot
-from ckptrun.runtime import store
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import ManifestError, read_manifest
-from ckptrun.runtime.remote_store import FsspecStore
-from ckptrun.runtime.store_backend import manifest_digest
-from ckptrun.runtime.tiering import choose, listed_candidates
-from ckptrun.runtime.transfer import Retry, describe
-from ckptrun.runtime.verify import newest_verified
+from ckptrun.runtime.storage.remote_store import FsspecStore
+from ckptrun.runtime.storage.store_backend import manifest_digest
+from ckptrun.runtime.checkpoint.tiering import choose, listed_candidates
+from ckptrun.runtime.storage.transfer import Retry, describe
+from ckptrun.runtime.checkpoint.verify import newest_verified
 
 
 class SnapshotUnavailable(RuntimeError):

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ckptrun.cli import durations, store_location
 from ckptrun.cli.errors import EXIT_REFUSED, CkptrunError
-from ckptrun.runtime.ckpt_url import merge_options
+from ckptrun.runtime.storage.ckpt_url import merge_options
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.faults import FaultSpecError, parse_faults
 

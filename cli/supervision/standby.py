@@ -186,9 +186,9 @@ def warm_imports() -> None:
     the largest part of ``init()`` in a rank that did not have it."""
     import torch._inductor.config  # noqa: F401
 
-    import ckptrun.runtime.data  # noqa: F401
-    import ckptrun.runtime.startup  # noqa: F401
-    import ckptrun.runtime.bootstrap  # noqa: F401
+    import ckptrun.runtime.step.data  # noqa: F401
+    import ckptrun.runtime.step.startup  # noqa: F401
+    import ckptrun.runtime.worker.bootstrap  # noqa: F401
 
 
 if __name__ == "__main__":

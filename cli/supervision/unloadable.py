@@ -2,7 +2,7 @@
 
 The ranks agree on a load failure and rank 0 records it as a ``restore_failed``
 event whose ``reason`` joins the failing ranks' first lines
-(:func:`ckptrun.runtime.snapshot.load`). With chunk digests (schema 3) the usual
+(:func:`ckptrun.runtime.checkpoint.snapshot.load`). With chunk digests (schema 3) the usual
 cause is bytes that do not match their digest as they are read — ``rank R:
 DigestMismatch: dcp/__R_0.distcp bytes A..B (tensor 'k'): sha256 …, manifest
 says …`` for a stored item, ``rank R: DigestMismatch: state.json: …`` for a

@@ -1,6 +1,6 @@
 """When and how each forked rank ended (warm workers): what torch's fork start does not report.
 
-With warm workers (``runtime/warm_start.py``) torchrun starts its ranks through torch's
+With warm workers (``runtime/worker/warm_start.py``) torchrun starts its ranks through torch's
 ``MultiprocessContext``, which reports only the first failed rank it happens to see: when a rank is
 SIGKILLed, the survivors fail a moment later in their collectives, and torch may name one of them.
 Spawned ranks (``SubprocessContext``) report every rank, and the supervisor picks the earliest

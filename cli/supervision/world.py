@@ -138,7 +138,7 @@ class LocalWorld:
         env.update(self.run_env(attempt, resume_from).to_env())
         # console.log gets [rankN]: lines as they are printed (prints reach a file, not a terminal: unbuffered)
         env.update({PREFIX_VARIABLE: PREFIX_TEMPLATE, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED") or "1"})
-        warm_pids = log_dir / WARM_PIDS if self.warm else None  # ranks forked from the agent (runtime/warm_start.py)
+        warm_pids = log_dir / WARM_PIDS if self.warm else None  # ranks forked from the agent (runtime/worker/warm_start.py)
         command = torchrun_command(log_dir / FAILURES_NAME, torchrun_args(self.spec, log_dir), self.target, warm_pids)
         self.identity = {k: env[k] for k in (RUN_ID_VARIABLE, NODE_VARIABLE) if k in env}
         self._stop_rank_output()

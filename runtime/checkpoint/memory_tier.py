@@ -2,7 +2,7 @@
 
 A memory snapshot is an ordinary snapshot (contract C2: stage, persist,
 publish; the same manifest, digests and atomic rename, written by the same
-:class:`~ckptrun.runtime.saver.Saver`) in ``RunEnv.memory_dir``, a directory
+:class:`~ckptrun.runtime.checkpoint.saver.Saver`) in ``RunEnv.memory_dir``, a directory
 in ``/dev/shm`` that the supervisor creates, names in C1 and deletes when the
 run ends (:mod:`ckptrun.cli.supervision.memory_tier`). It outlives a crashed
 rank because no rank owns it, so a restart on this node restores from it when
@@ -43,10 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptrun.runtime import collectives, records, store
+from ckptrun.runtime import collectives, records
+
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.saver import Saver
-from ckptrun.runtime.snapshot import SaveResult, SnapshotInfo, State
+from ckptrun.runtime.checkpoint.saver import Saver
+from ckptrun.runtime.checkpoint.snapshot import SaveResult, SnapshotInfo, State
 
 AUTO_OVERHEAD = 0.01  # auto: a memory save may cost the loop this share of its time
 FAILURES_TO_STOP = 3  # failed memory saves in a row that switch the tier off for the attempt

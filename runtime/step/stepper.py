@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ckptrun.runtime import collectives
-from ckptrun.runtime.precision import Policy, to_float
+from ckptrun.runtime.step.precision import Policy, to_float
 
 
 @dataclass

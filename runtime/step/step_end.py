@@ -1,4 +1,4 @@
-"""Closing an optimizer step, mixed into :class:`~ckptrun.runtime.session.Run`: its metrics line, the
+"""Closing an optimizer step, mixed into :class:`~ckptrun.runtime.step.session.Run`: its metrics line, the
 facts the ranks share about it, and the save or stop they agree on.
 
 This is what every step pays for ckptrun, so it waits for nothing and shares
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptrun.runtime import records
-from ckptrun.runtime.decisions import SETTLED_FROM, WARMUP_BATCHES, Agreed, Exchange, choose_every
+from ckptrun.runtime.step.decisions import SETTLED_FROM, WARMUP_BATCHES, Agreed, Exchange, choose_every
 
 
 class StepEnd:

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ckptrun.runtime.staging import local
-from ckptrun.runtime.treecodec import join, split
-from ckptrun.runtime.wrappers import canonical, unwrap
+from ckptrun.runtime.checkpoint.staging import local
+from ckptrun.runtime.checkpoint.treecodec import join, split
+from ckptrun.runtime.checkpoint.wrappers import canonical, unwrap
 
 
 class ModuleState(Stateful):

@@ -23,24 +23,32 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ckptrun.runtime import collectives, hparams, records, reshard, rng, snapshot, stepper, store, tiering, timeline, train_state
-from ckptrun.runtime.anomaly import AnomalyDetector
-from ckptrun.runtime.data import DataLoader
+from ckptrun.runtime import collectives, records
+
+from ckptrun.runtime.step import hparams, reshard, rng, stepper
+
+from ckptrun.runtime.checkpoint import snapshot, tiering, train_state
+
+from ckptrun.runtime.storage import store
+
+from ckptrun.runtime.worker import timeline
+from ckptrun.runtime.step.anomaly import AnomalyDetector
+from ckptrun.runtime.step.data import DataLoader
 from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.fault_injection import FaultInjector
+from ckptrun.runtime.worker.fault_injection import FaultInjector
 from ckptrun.runtime.faults import parse_faults
-from ckptrun.runtime.liveness import Heartbeater
-from ckptrun.runtime.loop import LoopShapes, untracked_loader_in_use
-from ckptrun.runtime.step_end import StepEnd
-from ckptrun.runtime.policies import AutoCadence, FailedSaves, Retention, SaveCadence, refused_changes
-from ckptrun.runtime.remote_store import open_store
-from ckptrun.runtime.retention import apply_retention
-from ckptrun.runtime.precision import Policy
-from ckptrun.runtime.saver import Saver
-from ckptrun.runtime.memory_tier import MemoryTier
-from ckptrun.runtime.precision_report import REPORT, DtypeRecorder, write_report
-from ckptrun.runtime.verify import newest_verified
-from ckptrun.runtime.wrappers import unwrap as _unwrap
+from ckptrun.runtime.worker.liveness import Heartbeater
+from ckptrun.runtime.step.loop import LoopShapes, untracked_loader_in_use
+from ckptrun.runtime.step.step_end import StepEnd
+from ckptrun.runtime.checkpoint.policies import AutoCadence, FailedSaves, Retention, SaveCadence, refused_changes
+from ckptrun.runtime.storage.remote_store import open_store
+from ckptrun.runtime.checkpoint.retention import apply_retention
+from ckptrun.runtime.step.precision import Policy
+from ckptrun.runtime.checkpoint.saver import Saver
+from ckptrun.runtime.checkpoint.memory_tier import MemoryTier
+from ckptrun.runtime.step.precision_report import REPORT, DtypeRecorder, write_report
+from ckptrun.runtime.checkpoint.verify import newest_verified
+from ckptrun.runtime.checkpoint.wrappers import unwrap as _unwrap
 
 EXIT_FAILED, EXIT_STOPPED, EXIT_UNRECOVERABLE = 1, 3, 4
 

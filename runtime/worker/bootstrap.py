@@ -13,11 +13,11 @@ script's; a script whose code imports it counts even when it failed before
 script runs it installs, for every script: the SIGUSR2 stack dump (a rank that
 hangs before ``init()``, or never calls it, still shows where it is), the
 watch on the supervisor (a SIGKILLed supervisor leaves no rank behind) and
-the optimizer-step hook (:mod:`ckptrun.runtime.step_hook`: a plain script's
+the optimizer-step hook (:mod:`ckptrun.runtime.worker.step_hook`: a plain script's
 steps beat the heartbeat).
 
-Usage (what torchrun runs): ``python -m ckptrun.runtime.bootstrap SCRIPT [ARGS...]``
-or ``python -m ckptrun.runtime.bootstrap -m MODULE [ARGS...]``. Importable
+Usage (what torchrun runs): ``python -m ckptrun.runtime.worker.bootstrap SCRIPT [ARGS...]``
+or ``python -m ckptrun.runtime.worker.bootstrap -m MODULE [ARGS...]``. Importable
 without torch.
 """
 
@@ -33,9 +33,9 @@ import time
 import traceback
 from types import CodeType
 
-from ckptrun.runtime import step_hook, timeline
+from ckptrun.runtime.worker import step_hook, timeline
 from ckptrun.runtime.env import EnvError, RunEnv
-from ckptrun.runtime.liveness import enable_stack_dumps, watch_supervisor
+from ckptrun.runtime.worker.liveness import enable_stack_dumps, watch_supervisor
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # torchrun's name, not a ckptrun contract
 _recorded: set[int] = set()
@@ -47,7 +47,7 @@ def _uses_runtime() -> bool:
     """Whether the script uses the runtime: its code imports it, it called ``init()``, or it loaded a runtime
     module this shim does not (a warm worker's agent may have loaded them all before: the first two tell)."""
     return _imports_runtime or "init" in timeline.MARKS or any(
-        name.startswith("ckptrun.runtime.") and name not in _OWN_MODULES and name != "ckptrun.runtime.bootstrap"
+        name.startswith("ckptrun.runtime.") and name not in _OWN_MODULES and name != "ckptrun.runtime.worker.bootstrap"
         for name in sys.modules)
 
 
@@ -131,7 +131,7 @@ def _run_module(name: str, args: list[str]) -> None:
 
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
-        sys.exit("usage: python -m ckptrun.runtime.bootstrap (SCRIPT | -m MODULE) [ARGS...]")
+        sys.exit("usage: python -m ckptrun.runtime.worker.bootstrap (SCRIPT | -m MODULE) [ARGS...]")
     timeline.mark("bootstrap")
     if "torch" in sys.modules:  # a warm worker (warm_start.py): forked from an agent that imported it
         timeline.mark("torch_imported")

@@ -6,7 +6,7 @@ published ones, open a new one, write its files, publish it, read, delete:
 * :class:`LocalStore` — a directory with temp dir, fsync and rename (the
   functions of :mod:`store`, unchanged). A memory tier is a LocalStore on
   ``/dev/shm``; the local cache of a tiered run is a LocalStore too.
-* :class:`ckptrun.runtime.remote_store.FsspecStore` — an object store, where
+* :class:`ckptrun.runtime.storage.remote_store.FsspecStore` — an object store, where
   each snapshot is an immutable prefix and the manifest written last commits it.
 
 :mod:`transfer` copies a snapshot from any store to any other through this
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator, Protocol
 
-from ckptrun.runtime import store
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import Manifest, read_manifest
 
 

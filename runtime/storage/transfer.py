@@ -19,7 +19,7 @@ from typing import Callable, Iterable, TypeVar
 
 from ckptrun.runtime.hashing import CHUNK, entry_hasher
 from ckptrun.runtime.manifest import FileEntry, Manifest
-from ckptrun.runtime.store_backend import Published, SnapshotStore
+from ckptrun.runtime.storage.store_backend import Published, SnapshotStore
 
 T = TypeVar("T")
 

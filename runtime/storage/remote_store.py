@@ -47,10 +47,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator
 
-from ckptrun.runtime.ckpt_url import StoreUrl, filesystem
+from ckptrun.runtime.storage.ckpt_url import StoreUrl, filesystem
 from ckptrun.runtime.manifest import MANIFEST_NAME, Manifest, ManifestError
-from ckptrun.runtime.store import snapshot_name
-from ckptrun.runtime.store_backend import Published
+from ckptrun.runtime.storage.store import snapshot_name
+from ckptrun.runtime.storage.store_backend import Published
 
 PREFIX_RE = re.compile(r"^step-(\d{9,})-([0-9a-f]{6,})$")
 FORKS_DIR = "forks"
@@ -301,7 +301,7 @@ def open_store(url: str, options_json: str | None = None, run_id: str | None = N
     its run (``RunEnv.run_id``)."""
     import json
 
-    from ckptrun.runtime.ckpt_url import parse
+    from ckptrun.runtime.storage.ckpt_url import parse
 
     location = parse(url)
     if not isinstance(location, StoreUrl):

@@ -16,11 +16,17 @@ from typing import Any
 
 import torch
 
-from ckptrun.runtime import collectives, records, rng, store, timeline
+from ckptrun.runtime import collectives, records
+
+from ckptrun.runtime.step import rng
+
+from ckptrun.runtime.storage import store
+
+from ckptrun.runtime.worker import timeline
 from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.liveness import enable_stack_dumps, watch_supervisor
-from ckptrun.runtime.precision import Policy, PrecisionUnavailable, ScalerConfig, resolve
-from ckptrun.runtime.session import Run
+from ckptrun.runtime.worker.liveness import enable_stack_dumps, watch_supervisor
+from ckptrun.runtime.step.precision import Policy, PrecisionUnavailable, ScalerConfig, resolve
+from ckptrun.runtime.step.session import Run
 
 
 def init(config: dict[str, Any] | None = None, precision: str | None = None) -> Run:

@@ -64,7 +64,7 @@ def probe_of(run: Any) -> Probe | None:
 
 def state_digests(objects: dict[str, Any]) -> dict[str, str]:
     """One short digest per tracked object, the learning rates apart from the optimizer's state, and the RNG."""
-    from ckptrun.runtime import rng
+    from ckptrun.runtime.step import rng
 
     digests: dict[str, str] = {}
     for name, obj in objects.items():

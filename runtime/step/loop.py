@@ -1,4 +1,4 @@
-"""The training loop's two shapes and its step boundaries, mixed into :class:`~ckptrun.runtime.session.Run`.
+"""The training loop's two shapes and its step boundaries, mixed into :class:`~ckptrun.runtime.step.session.Run`.
 
 A script loops either over steps (``for batch in run.batches(loader, steps)``)
 or over epochs (``for epoch in run.epochs(E): for batch in loader:``). Either
@@ -19,8 +19,8 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from ckptrun.runtime.preflight import probe_of
-from ckptrun.runtime.reshard import note_global_batch
+from ckptrun.runtime.step.preflight import probe_of
+from ckptrun.runtime.step.reshard import note_global_batch
 
 
 class LoopShapes:

@@ -2,7 +2,7 @@
 
 Tensors reshard through DCP (replicated ones load at any world size, FSDP2
 shards are re-split by ``set_state_dict``) and the data position is one global
-cursor (:mod:`ckptrun.runtime.data`), so what cannot carry over is per-rank: the
+cursor (:mod:`ckptrun.runtime.step.data`), so what cannot carry over is per-rank: the
 RNG states. A resharded rank is reseeded from ``(seed, step, rank)`` —
 deterministic, but not the stream the old ranks would have drawn — so such a
 resume is never judged ``exact``. Each change is kept in the manifest's
@@ -14,7 +14,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ckptrun.runtime import records, rng
+from ckptrun.runtime import records
+
+from ckptrun.runtime.step import rng
 from ckptrun.runtime.manifest import Manifest
 
 RESEEDED = ["python", "numpy", "torch_cpu", "torch_cuda"]

@@ -30,11 +30,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptrun.runtime import collectives, store, zip_crc
-from ckptrun.runtime.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata, tensor_table
+from ckptrun.runtime import collectives
+
+from ckptrun.runtime.storage import store
+
+from ckptrun.runtime.checkpoint import zip_crc
+from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata, tensor_table
 from ckptrun.runtime.hashing import HashingWriter
 from ckptrun.runtime.manifest import Chunk, FileEntry, Manifest, TensorEntry, read_manifest
-from ckptrun.runtime.verified_read import prefetch, read_small
+from ckptrun.runtime.checkpoint.verified_read import prefetch, read_small
 
 DCP_DIR = "dcp"
 STATE_JSON = "state.json"
@@ -373,7 +377,7 @@ def _read_local(snapshot_dir: Path, rank: int, rank_files: bool = True,
                 live: dict[str, torch.Tensor] | None = None) -> tuple[Loaded, SafeReader]:
     """This rank's small files and the DCP metadata, each read once (and checked against its digest when the
     manifest is chunked) and parsed by loaders that run no code; the reader for its DCP items."""
-    from ckptrun.runtime.treecodec import tensor_keys
+    from ckptrun.runtime.checkpoint.treecodec import tensor_keys
 
     manifest = read_manifest(snapshot_dir)
     check_sizes(snapshot_dir, manifest)

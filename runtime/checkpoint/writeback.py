@@ -17,7 +17,7 @@ import io
 import os
 from typing import Any
 
-from ckptrun.runtime import pacing
+from ckptrun.runtime.checkpoint import pacing
 
 WINDOW = 8 << 20  # measured on a 64 MiB save: 8 MiB left ~3 ms for the final fsync, 32 MiB ~17 ms, none ~30 ms
 

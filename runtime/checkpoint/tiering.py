@@ -11,7 +11,7 @@ that does not verify — the prefix is downloaded into the local directory,
 every object hashed against its manifest as it streams; a mismatch refuses
 that snapshot and the previous one is tried. A storage error (after retries)
 is not a mismatch: the listing or the download raises
-:class:`~ckptrun.runtime.transfer.StoreUnavailable` instead of falling back to
+:class:`~ckptrun.runtime.storage.transfer.StoreUnavailable` instead of falling back to
 an older snapshot or to none, which would restart training off the line.
 Either way the workers then load a local directory, as in a local run.
 Importable without torch.
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ckptrun.runtime.remote_store import FsspecStore, Prefix
-from ckptrun.runtime.store_backend import LocalStore, Published
-from ckptrun.runtime.transfer import MismatchError, Retry, StoreUnavailable, copy_snapshot, describe
-from ckptrun.runtime.verify import verify_snapshot
+from ckptrun.runtime.storage.remote_store import FsspecStore, Prefix
+from ckptrun.runtime.storage.store_backend import LocalStore, Published
+from ckptrun.runtime.storage.transfer import MismatchError, Retry, StoreUnavailable, copy_snapshot, describe
+from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
 LOCAL, REMOTE = "local-cache", "remote"
 
@@ -130,7 +130,7 @@ def choose_for_worker(remote: FsspecStore, cache: Path, run_dir: Path, skip_name
     """Rank 0 under plain torchrun: the snapshot to load, recording where it came from (``restore_source``)."""
     from ckptrun.runtime import records
     from ckptrun.runtime.manifest import ManifestError, read_manifest
-    from ckptrun.runtime.store_backend import manifest_digest
+    from ckptrun.runtime.storage.store_backend import manifest_digest
 
     skip = set()
     for name in skip_names:

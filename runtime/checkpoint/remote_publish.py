@@ -23,12 +23,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from ckptrun.runtime import collectives, store
+from ckptrun.runtime import collectives
+
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import Manifest, read_manifest
-from ckptrun.runtime.remote_store import FsspecStore
-from ckptrun.runtime.snapshot import SaveResult
-from ckptrun.runtime.store_backend import LocalStore
-from ckptrun.runtime.transfer import Retry, copy_files, describe
+from ckptrun.runtime.storage.remote_store import FsspecStore
+from ckptrun.runtime.checkpoint.snapshot import SaveResult
+from ckptrun.runtime.storage.store_backend import LocalStore
+from ckptrun.runtime.storage.transfer import Retry, copy_files, describe
 
 UPLOAD_THREADS = 4
 

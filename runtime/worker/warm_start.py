@@ -6,7 +6,7 @@ warm standby, or the first attempt's fresh agent) has imported all of that, and 
 ranks with ``--start-method fork --run-path`` this file: torch's own ``MultiprocessContext`` forks
 each rank, sets its environment (``RANK``, ``TORCHELASTIC_ERROR_FILE``, …) in ``os.environ``,
 redirects its output to the rank's log files and calls this file, which runs
-:func:`ckptrun.runtime.bootstrap.main` exactly as a cold worker would.
+:func:`ckptrun.runtime.worker.bootstrap.main` exactly as a cold worker would.
 
 A forked process is not a fresh interpreter, so before the script runs this makes it look like one:
 
@@ -52,7 +52,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from ckptrun.runtime import timeline
+from ckptrun.runtime.worker import timeline
 
 RETURN_QUEUE = ("_wrap", "ret_val_")  # torch.distributed.elastic.multiprocessing.api._wrap: this rank's return queue
 SENTINEL = ("_launch", "child_w")  # multiprocessing.popen_fork.Popen._launch: the write end the agent watches
@@ -163,7 +163,7 @@ def main(argv: list[str]) -> None:
     reseed_numpy()
     hide_sentinel_from_forks()
     undo = post_success_on_quiet_exit()
-    from ckptrun.runtime import bootstrap
+    from ckptrun.runtime.worker import bootstrap
 
     try:
         bootstrap.main(argv[1:])

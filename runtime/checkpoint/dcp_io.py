@@ -44,8 +44,8 @@ from torch.futures import Future
 from ckptrun.runtime import collectives
 from ckptrun.runtime.hashing import HashingWriter
 from ckptrun.runtime.manifest import Manifest, ManifestError, read_manifest
-from ckptrun.runtime.verified_read import ChunkIndex, MemoryFile, Span, read_small, read_spans
-from ckptrun.runtime.writeback import StreamingFile  # S2: data files start writeback as they are written
+from ckptrun.runtime.checkpoint.verified_read import ChunkIndex, MemoryFile, Span, read_small, read_spans
+from ckptrun.runtime.checkpoint.writeback import StreamingFile  # S2: data files start writeback as they are written
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)

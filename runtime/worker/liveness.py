@@ -31,7 +31,7 @@ class Heartbeater:
     """Writes this rank's heartbeat at most every ``interval`` seconds, and on every phase change.
 
     The runtime's heartbeater is authoritative: once one exists, the bootstrap's optimizer-step hook
-    (``source="step-hook"``, :mod:`ckptrun.runtime.step_hook`) stays silent, so step numbers never conflict.
+    (``source="step-hook"``, :mod:`ckptrun.runtime.worker.step_hook`) stays silent, so step numbers never conflict.
     """
 
     runtime_active: ClassVar[bool] = False

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckptrun.runtime import collectives
-from ckptrun.runtime.dcp_io import owned_keys
+from ckptrun.runtime.checkpoint.dcp_io import owned_keys
 
 
 def layout_digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -26,9 +26,9 @@ from typing import Any, Callable, Sequence
 
 from ckptrun.runtime import records
 from ckptrun.runtime.env import EnvError, RunEnv
-from ckptrun.runtime.fault_injection import FaultInjector
+from ckptrun.runtime.worker.fault_injection import FaultInjector
 from ckptrun.runtime.faults import FaultSpecError, parse_faults
-from ckptrun.runtime.liveness import Heartbeater
+from ckptrun.runtime.worker.liveness import Heartbeater
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 SOURCE = "step-hook"

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Callable
 
 from ckptrun.runtime.hashing import entry_hasher, feed_file
 from ckptrun.runtime.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, read_manifest
-from ckptrun.runtime.store import Entry, Lineage, list_entries, read_lineage
+from ckptrun.runtime.storage.store import Entry, Lineage, list_entries, read_lineage
 
 if TYPE_CHECKING:
-    from ckptrun.runtime.remote_store import FsspecStore, Prefix
+    from ckptrun.runtime.storage.remote_store import FsspecStore, Prefix
 
 OK, CORRUPT, INCOMPLETE, IN_PROGRESS, VANISHED = "ok", "corrupt", "incomplete", "in-progress", "vanished"
 
@@ -248,8 +248,8 @@ def verify_remote(remote: "FsspecStore", name: str, quick: bool = False, progres
                   prefixes: "list[Prefix] | None" = None, pool: ThreadPoolExecutor | None = None) -> SnapshotReport:
     """Check one ``step-<N>-<id>/`` prefix: a manifest (the commit), every listed object present with its
     size (from the listing) and, unless ``quick``, streamed and hashed to its digest; nothing unlisted."""
-    from ckptrun.runtime.remote_store import PREFIX_RE
-    from ckptrun.runtime.transfer import hash_object
+    from ckptrun.runtime.storage.remote_store import PREFIX_RE
+    from ckptrun.runtime.storage.transfer import hash_object
 
     listing = {p.name: p for p in (remote.prefixes() if prefixes is None else prefixes)}
     where, match = remote.location(name), PREFIX_RE.match(name)

@@ -4,7 +4,7 @@ A compiled model's ``state_dict`` keys carry ``_orig_mod.`` and a DDP model's
 would carry ``module.``; both depend on how an attempt runs, not on what is
 trained. Snapshots store the unwrapped module's keys, so switching compile or
 DDP on or off between attempts resumes. Optimizer state is keyed by the same
-parameter names (``runtime/train_state.py``).
+parameter names (``runtime/checkpoint/train_state.py``).
 """
 
 from __future__ import annotations

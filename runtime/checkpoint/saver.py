@@ -30,12 +30,16 @@ from typing import Callable
 import psutil
 import torch
 
-from ckptrun.runtime import collectives, hashing, pacing, store
-from ckptrun.runtime.remote_publish import upload
-from ckptrun.runtime.remote_store import FsspecStore
-from ckptrun.runtime.save_plan import OwnedKeys
-from ckptrun.runtime.snapshot import FaultHook, SaveResult, SnapshotInfo, State, persist_and_publish
-from ckptrun.runtime.staging import Stager, local_bytes
+from ckptrun.runtime import collectives, hashing
+
+from ckptrun.runtime.checkpoint import pacing
+
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.remote_publish import upload
+from ckptrun.runtime.storage.remote_store import FsspecStore
+from ckptrun.runtime.checkpoint.save_plan import OwnedKeys
+from ckptrun.runtime.checkpoint.snapshot import FaultHook, SaveResult, SnapshotInfo, State, persist_and_publish
+from ckptrun.runtime.checkpoint.staging import Stager, local_bytes
 
 DISK_MARGIN = 1.10
 DISK_SLACK = 4 << 20

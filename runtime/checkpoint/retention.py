@@ -1,6 +1,6 @@
 """Applying the retention policy to the checkpoint dir: delete only what a newer verified snapshot covers.
 
-The decision is :class:`ckptrun.runtime.policies.Retention` (pure); this module
+The decision is :class:`ckptrun.runtime.checkpoint.policies.Retention` (pure); this module
 finds the current lineage's published snapshots, checks the newest before
 deleting anything, and deletes through the store. Importable without torch.
 
@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptrun.runtime import records, store
-from ckptrun.runtime.policies import Retention
-from ckptrun.runtime.remote_store import FsspecStore
-from ckptrun.runtime.verify import verify_remote, verify_snapshot
+from ckptrun.runtime import records
+
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.policies import Retention
+from ckptrun.runtime.storage.remote_store import FsspecStore
+from ckptrun.runtime.checkpoint.verify import verify_remote, verify_snapshot
 
 GARBAGE_MIN_AGE_S = 600.0  # a manifest-less prefix younger than this may be an upload in flight
 GARBAGE_INTERVALS = 3  # ... or younger than this many save intervals

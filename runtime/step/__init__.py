@@ -1,0 +1,16 @@
+"""The training script's handle: ``init()`` and the ``Run`` it returns, and everything one step decides.
+
+- ``startup``: ``init()`` — policy from C1, process group, precision, seeds, restore — returns a ``Run``.
+- ``session``: the ``Run`` (tracking, save, restore, finish); ``loop`` (the loop's two shapes and step
+  boundaries), ``step_end`` (closing a step: metrics, shared decisions, saves due), ``stepper`` (one
+  optimizer step under the precision policy).
+- Decisions every rank shares: ``decisions`` (facts gathered every N steps in one collective),
+  ``anomaly`` (non-finite or spiking losses).
+- Precision: ``precision`` (the policy and its flags), ``precision_report`` (what each op class ran in).
+- Data and resume: ``data`` (a loader that knows how far it got), ``rng`` (every generator, per rank),
+  ``reshard`` (resuming at another world size), ``hparams`` (what changed on resume), ``preflight``
+  (the worker side of ``ckptrun preflight``).
+
+Imports ``checkpoint``, ``storage``, ``worker`` and the contracts; nothing imports it but ``ckptrun.runtime``'s
+lazy facade (``preflight.read_digests`` is torch-free for the CLI).
+"""
