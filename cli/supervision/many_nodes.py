@@ -16,25 +16,19 @@ leader's restore copy would not exist on the other hosts. torch is imported
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from ckptrun.cli.errors import EXIT_REFUSED, EXIT_REQUEUE, CkptrunError
-from ckptrun.cli.progress import Progress
-from ckptrun.cli.supervision.attempt import default_job
 from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
-from ckptrun.cli.supervision.node_agent import NodeSupervisor
 from ckptrun.cli.supervision.node_env import NodeSettings
-from ckptrun.cli.supervision.node_world import NodePaths, NodeWorld
-from ckptrun.cli.supervision.observation import Snapshot, StopControl
-from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
-from ckptrun.cli.supervision.recovery import RecoveryOptions
+from ckptrun.cli.supervision.node_world import NodePaths
+from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock
-from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _refuse_used_store, _report, _stop_signals, cadence,
-                                            ckpt_dir_of)
+from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _refuse_used_store, ckpt_dir_of, next_attempt,
+                                            supervise_run)
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.supervision.world import Estimator
 from ckptrun.runtime import records
@@ -84,7 +78,8 @@ def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json
             job, record = _join(paths, settings, spec.ckpt_dir if spec is not None else None, own.startup_timeout)
             first, resume = 1, None
         record.spec.node_rank = settings.node_rank
-        return _supervise(record, paths, settings, job, first, resume, as_json, estimator)
+        return supervise_run(record, paths, first, resume, as_json, estimator=estimator, settings=settings,
+                             job=job)
 
 
 def host_job_store(settings: NodeSettings) -> JobStore:
@@ -127,7 +122,7 @@ def _publish_token(job: JobStore, record: RunRecord, paths: NodePaths) -> None:
 def _pick_snapshot(paths: NodePaths, settings: NodeSettings, record: RunRecord, argv: list[str]) -> tuple[int, Snapshot]:
     """A resume's snapshot, as ``resume_run`` picks it (the store's newest for an object-store run)."""
     snapshot = _newest(ckpt_dir_of(record.spec, paths.root), record.spec, paths.root, record.run_id)
-    first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(paths.root, "attempt_start")), default=0)
+    first = next_attempt(paths.root)
     records.log_event(paths.root, "resume", attempt=first, snapshot=str(snapshot.path), snapshot_step=snapshot.step,
                       argv=argv, forked=False, nnodes=settings.nnodes)
     return first, snapshot
@@ -185,36 +180,3 @@ def _join(paths: NodePaths, settings: NodeSettings, own_ckpt_dir: Path | None,
                            "writes to (its token is missing or different)",
                            "put the run dir and --ckpt-dir on storage every node mounts at the same path", EXIT_REFUSED)
     return job, record
-
-
-def _supervise(record: RunRecord, paths: NodePaths, settings: NodeSettings, job: JobStore, first: int,
-               resume: Snapshot | None, as_json: bool, estimator: Estimator) -> int:
-    spec = record.spec
-    progress = Progress(out=sys.stderr if as_json else sys.stdout)
-    target = [str(spec.script or default_job()), *spec.script_args]
-    node_timeout = max(5.0, min(spec.heartbeat_timeout, 30.0))
-    world = NodeWorld(spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress,
-                      restored_step=resume.step if resume else None, estimator=estimator,
-                      settings=settings, job=job, node_timeout=node_timeout)
-    stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
-    policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
-    timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)
-    checks = RecoveryOptions(spec.deterministic, spec.require_exact_resume, spec.rto_budget, spec.strict_budget)
-    supervisor = NodeSupervisor(world, policy, timeouts, stop, first, resume, checks, faults=spec.inject_fault,
-                                join_timeout=spec.node_join_timeout)
-    supervisor.plain_seen = bool(records.read_events(paths.root, "plain_script"))
-    if settings.leader:
-        paths.stop_file.unlink(missing_ok=True)
-    role = "leader" if settings.leader else f"node {settings.node_rank} of {settings.max_nodes}"
-    progress.say(f"run {record.run_id} in {paths.root} as {role} (logs: {paths.logs})")
-    progress.say(f"snapshots (scripts that use ckptrun.runtime): {cadence(spec)}")
-    with _stop_signals(stop, spec.stop_signal):
-        try:
-            outcome = supervisor.supervise()
-        finally:
-            world.close()
-            progress.close()
-    if settings.leader:
-        paths.stop_file.unlink(missing_ok=True)
-    return _report(outcome, record, paths, progress, as_json)
-

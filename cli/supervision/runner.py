@@ -22,6 +22,10 @@ from ckptrun.cli.durations import format_duration
 from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, EXIT_UNRECOVERABLE, CkptrunError
 from ckptrun.cli.progress import Progress
 from ckptrun.cli.supervision.attempt import default_job
+from ckptrun.cli.supervision.job_store import JobStore
+from ckptrun.cli.supervision.node_agent import NodeSupervisor
+from ckptrun.cli.supervision.node_env import NodeSettings
+from ckptrun.cli.supervision.node_world import NodeWorld
 from ckptrun.cli.supervision.observation import Outcome, Snapshot, StopControl
 from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
 from ckptrun.cli.supervision.recovery import RecoveryOptions
@@ -144,12 +148,17 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
         snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir, record.spec, run_dir, record.run_id)
         _refuse_unasked_reshard(record.spec, snapshot)
         write_run_record(run_dir, record)
-        first = 1 + max((int(e.get("attempt", 0)) for e in records.read_events(run_dir, "attempt_start")), default=0)
+        first = next_attempt(run_dir)
         records.log_event(run_dir, "resume", attempt=first, snapshot=str(snapshot.path) if snapshot else None,
                           snapshot_step=snapshot.step if snapshot else None,
                           argv=store_location.redact_argv(argv), forked=bool(source), script_args=overrides.get("script_args"))
         _took_over(lock)
         return supervise_run(record, paths, first_attempt=first, resume=snapshot, as_json=as_json, estimator=estimator)
+
+
+def next_attempt(run_dir: Path) -> int:
+    """A resume's first attempt number: one above every attempt the run directory records."""
+    return 1 + max((int(e.get("attempt", 0)) for e in records.read_events(run_dir, "attempt_start")), default=0)
 
 
 def _completed(run_dir: Path) -> dict[str, Any] | None:
@@ -213,30 +222,54 @@ def _from_source(ckpt_dir: Path, source: str) -> Snapshot:
 
 
 def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume: Snapshot | None,
-                  as_json: bool = False, *, estimator: Estimator) -> int:
-    """Run the supervisor with signal handlers installed; report its outcome; clean the stop channel."""
+                  as_json: bool = False, *, estimator: Estimator, settings: NodeSettings | None = None,
+                  job: JobStore | None = None) -> int:
+    """Run the supervisor with signal handlers installed; report its outcome; clean the stop channel.
+
+    One epilogue for one node and for many: with ``settings`` and ``job`` (the job's store) this launcher
+    is one node of a multi-node job, and only the leader owns the shared stop file."""
     spec = record.spec
     progress = Progress(out=sys.stderr if as_json else sys.stdout)  # stdout holds only the JSON document then
-    target = [str(spec.script or default_job()), *spec.script_args]
-    world = LocalWorld(spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress,
-                       restored_step=resume.step if resume else None, estimator=estimator)
+    world = _world(record, paths, progress, resume, estimator, settings, job)
     stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
     policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
     timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)
     checks = RecoveryOptions(spec.deterministic, spec.require_exact_resume, spec.rto_budget, spec.strict_budget)
-    supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume, checks, faults=spec.inject_fault)
+    if isinstance(world, NodeWorld):
+        supervisor: Supervisor = NodeSupervisor(world, policy, timeouts, stop, first_attempt, resume, checks,
+                                                faults=spec.inject_fault, join_timeout=spec.node_join_timeout)
+    else:
+        supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume, checks, faults=spec.inject_fault)
     supervisor.plain_seen = bool(records.read_events(paths.root, "plain_script"))  # known from an earlier attempt
-    paths.stop_file.unlink(missing_ok=True)
-    progress.say(f"run {record.run_id} in {paths.root} (logs: {paths.logs})")
+    leads = settings is None or settings.leader  # the stop file is the run's: its leader's to clear
+    if leads:
+        paths.stop_file.unlink(missing_ok=True)
+    role = "" if settings is None else " as leader" if settings.leader else \
+        f" as node {settings.node_rank} of {settings.max_nodes}"
+    progress.say(f"run {record.run_id} in {paths.root}{role} (logs: {paths.logs})")
     progress.say(f"snapshots (scripts that use ckptrun.runtime): {cadence(spec)}")
     with _stop_signals(stop, spec.stop_signal):
         try:
             outcome = supervisor.supervise()
         finally:
             world.close()  # no orphans, even when the supervisor itself fails
-            paths.stop_file.unlink(missing_ok=True)
+            if leads:
+                paths.stop_file.unlink(missing_ok=True)
             progress.close()
     return _report(outcome, record, paths, progress, as_json)
+
+
+def _world(record: RunRecord, paths: RunPaths, progress: Progress, resume: Snapshot | None, estimator: Estimator,
+           settings: NodeSettings | None, job: JobStore | None) -> LocalWorld:
+    """This node's world: alone, or one node of a job whose store is ``job``."""
+    spec = record.spec
+    target = [str(spec.script or default_job()), *spec.script_args]
+    common: dict[str, Any] = {"restored_step": resume.step if resume else None, "estimator": estimator}
+    args = (spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress)
+    if settings is None or job is None:
+        return LocalWorld(*args, **common)
+    node_timeout = max(5.0, min(spec.heartbeat_timeout, 30.0))
+    return NodeWorld(*args, **common, settings=settings, job=job, node_timeout=node_timeout)
 
 
 def cadence(spec: LaunchSpec) -> str:
