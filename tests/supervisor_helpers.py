@@ -1,12 +1,18 @@
-"""A scripted world for the supervisor's unit tests: observations, failures and snapshots per attempt, no processes."""
+"""A scripted world for the supervisor's unit tests: observations, failures and snapshots per attempt, no processes.
+
+:class:`ScriptedNodeWorld` is one node of a many-node job: the same scripted attempts, plus what the job's
+decisions (:class:`~ckptrun.cli.supervision.node_agent.NodeJob`) read from a node's world and a real store."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ckptrun.cli.supervision.failures import RankFailure
+from ckptrun.cli.supervision.job_store import JobStore, NodeWatch
+from ckptrun.cli.supervision.node_agent import NodeJob
 from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot, StopControl
 from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
 from ckptrun.cli.supervision.recovery import RecoveryOptions
@@ -135,6 +141,26 @@ class ScriptedWorld:
         return [fields for event, fields in self.logged if event == name]
 
 
+@dataclass
+class ScriptedNodeWorld(ScriptedWorld):
+    """Node ``node`` of a job of ``nodes``: scripted attempts, the job's store real (no ranks, no torchrun)."""
+
+    job: JobStore | None = None
+    node: int = 0
+    nodes: list[int] = field(default_factory=lambda: [0, 1])
+    min_nodes: int = 2
+    abandoned_ranks: int = 0  # abandon() calls: the leader was lost
+
+    def __post_init__(self) -> None:
+        self.active = list(self.nodes)
+        self.settings = SimpleNamespace(leader=self.node == 0, min_nodes=self.min_nodes)
+        self.spec = SimpleNamespace(allow_reshard=False)
+        self.watch = NodeWatch(5.0)
+
+    def abandon(self) -> None:
+        self.abandoned_ranks += 1
+
+
 STACK_IN_SCRIPT = """Thread 0x1 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 327 in wait
 
@@ -156,3 +182,11 @@ def supervisor(world: ScriptedWorld, max_restarts: int = 3, stop: StopControl | 
     stop = stop or StopControl()
     world.stop = stop
     return Supervisor(world, RestartPolicy(max_restarts, backoff=1.0, backoff_cap=4.0), TIMEOUTS, stop, recovery=recovery, **kw)
+
+
+def node_supervisor(world: ScriptedNodeWorld, max_restarts: int = 3, join_timeout: float = 20.0) -> Supervisor:
+    """The one loop with the many-node job's decisions (leader or follower, as ``world.node`` says)."""
+    stop = StopControl()
+    world.stop = stop
+    job = NodeJob(world, TIMEOUTS, stop, join_timeout)  # type: ignore[arg-type]  # a scripted NodeWorld
+    return Supervisor(world, RestartPolicy(max_restarts, backoff=1.0, backoff_cap=4.0), TIMEOUTS, stop, job=job)

@@ -145,24 +145,19 @@ def test_each_node_verifies_a_disjoint_share_and_a_bad_share_skips_the_snapshot_
     assert any("skipping step-000000010" in line and "node 1" in line for line in said), said
 
 
-# --- the multi-node supervisor's decisions, on a real store (the world that would launch ranks is a stand-in) ---
+# --- the multi-node job's decisions, on a real store (the world that would launch ranks is a stand-in) ---
 
 
-def _node_supervisor(job: JobStore, node: int, join_timeout: float = 20.0):
-    """A NodeSupervisor with only what its between-attempts code reads: the store is real, no ranks start."""
+def _node_job(job: JobStore, node: int, join_timeout: float = 20.0):
+    """A NodeJob with only what its between-attempts code reads: the store is real, no ranks start."""
     from types import SimpleNamespace
 
-    from ckptrun.cli.supervision.node_agent import NodeSupervisor
+    from ckptrun.cli.supervision.node_agent import NodeJob
 
-    supervisor = NodeSupervisor.__new__(NodeSupervisor)
-    supervisor.world = SimpleNamespace(job=job, node=node, settings=SimpleNamespace(leader=node == 0), active=[node],
-                                       stop_file_present=lambda: False, say=lambda line: None,
-                                       event=lambda name, **fields: None)
-    supervisor.stop = SimpleNamespace(reason=lambda now, present: None)
-    supervisor.timeouts = SimpleNamespace(poll=0.02, startup=20.0)
-    supervisor.first_attempt, supervisor.restarts, supervisor.resume = 1, 0, None
-    supervisor.join_timeout, supervisor.incarnations = join_timeout, {}
-    return supervisor
+    world = SimpleNamespace(job=job, node=node, settings=SimpleNamespace(leader=node == 0), active=[node],
+                            stop_file_present=lambda: False, say=lambda line: None, event=lambda name, **fields: None)
+    timeouts = SimpleNamespace(poll=0.02, startup=20.0)
+    return NodeJob(world, timeouts, SimpleNamespace(reason=lambda now, present: None), join_timeout)
 
 
 def _in_thread(call):
@@ -183,7 +178,7 @@ def test_a_follower_takes_the_next_attempt_by_its_number_never_by_the_leaders_cl
     follower = JobStore.connect("run-n", "127.0.0.1", leader.port, timeout_s=5)
     behind = time.time() - 3600.0
     leader.put(leader.key("attempt"), {"attempt": 3, "snapshot": None, "nodes": [0, 1], "time": behind})
-    thread, result = _in_thread(_node_supervisor(follower, 1)._first_attempt)
+    thread, result = _in_thread(lambda: _node_job(follower, 1).start(1, None))
     assert wait_for(lambda: leader.node(1), timeout=20.0)  # it joined after reading attempt 3
     leader.put(leader.key("attempt"), {"attempt": 4, "snapshot": None, "nodes": [0], "time": behind})  # not its
     snapshot = {"path": "/ckpt/step-000000010", "step": 10}
@@ -198,10 +193,10 @@ def test_a_quiet_node_that_beats_again_with_the_same_incarnation_counts_as_rejoi
     follower = JobStore.connect("run-q", "127.0.0.1", leader.port, timeout_s=5)
     follower.join(1)
     follower.beat(1, state="healthy")
-    silent = _node_supervisor(leader, 0, join_timeout=0.5)
+    silent = _node_job(leader, 0, join_timeout=0.5)
     silent.incarnations = {1: 1}
     assert silent._wait_for_rejoin(1) is False  # no new beat, no new launcher within the join timeout
-    waiting = _node_supervisor(leader, 0)
+    waiting = _node_job(leader, 0)
     waiting.incarnations = {1: 1}
     thread, result = _in_thread(lambda: waiting._wait_for_rejoin(1))
     deadline = time.monotonic() + 20.0

@@ -79,7 +79,7 @@ def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json
             first, resume = 1, None
         record.spec.node_rank = settings.node_rank
         return supervise_run(record, paths, first, resume, as_json, estimator=estimator, settings=settings,
-                             job=job)
+                             store=job)
 
 
 def host_job_store(settings: NodeSettings) -> JobStore:

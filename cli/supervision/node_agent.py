@@ -1,11 +1,13 @@
-"""The supervisor of one node in a multi-node job: the single-node state machine per attempt, the job's
-decisions between attempts.
+"""One node's part in a multi-node job's decisions: the :class:`~ckptrun.cli.supervision.job.Job` of many nodes.
 
-Each node watches its own attempt exactly as on one node (crash, hang with
-stack dumps, stop, first step: :class:`~ckptrun.cli.supervision.supervisor.Supervisor`).
-Between attempts the roles differ. Every node acknowledges its teardown in
-the store. The leader (node rank 0) alone holds the restart budget,
-back-off, no-progress rule and RTO ledger: it takes the attempt's *first*
+Each node runs the one supervision loop
+(:class:`~ckptrun.cli.supervision.supervisor.Supervisor`) and watches its own
+attempt exactly as on one node (crash, hang with stack dumps, stop, first
+step), through a :class:`~ckptrun.cli.supervision.node_world.NodeWorld`.
+Between attempts the roles differ, and :class:`NodeJob` is where: every
+node acknowledges its teardown in the store. The leader's loop (node rank 0)
+alone holds the restart budget, back-off, no-progress rule and RTO ledger;
+its :class:`NodeJob` takes the attempt's *first*
 failure from the store (one budget unit per incident, whichever node saw
 it), waits for every node's teardown (and, after a lost node, for its
 relaunched launcher to join, up to ``--node-join-timeout``), picks and
@@ -23,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_REQUEUE
+from ckptrun.cli.supervision.job import Next
 from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
 from ckptrun.cli.supervision.node_verify import answer
 from ckptrun.cli.supervision.node_world import LEADER_LOST_S, LeaderLost, NodeWorld
-from ckptrun.cli.supervision.observation import AttemptWatch, Outcome, Snapshot, State
-from ckptrun.cli.supervision.policy import GiveUp
-from ckptrun.cli.supervision.supervisor import Supervisor
+from ckptrun.cli.supervision.observation import AttemptWatch, Outcome, Snapshot, StopControl
+from ckptrun.cli.supervision.policy import GiveUp, Timeouts
 
 
 def describe_snapshot(snapshot: Snapshot | None) -> dict[str, Any] | None:
@@ -45,15 +47,15 @@ def is_next(record: dict[str, Any] | None, after_attempt: int, node: int) -> boo
     return record is not None and int(record["attempt"]) > after_attempt and node in record["nodes"]
 
 
-class NodeSupervisor(Supervisor):
-    """One node's supervisor; ``world.settings.leader`` says whether it decides for the job."""
+class NodeJob:
+    """One node's part in the job's decisions; ``world.settings.leader`` says whether it decides for the job."""
 
-    world: NodeWorld
-
-    def __init__(self, *args: Any, join_timeout: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.join_timeout = join_timeout
+    def __init__(self, world: NodeWorld, timeouts: Timeouts, stop: StopControl, join_timeout: float) -> None:
+        self.world, self.timeouts, self.stop, self.join_timeout = world, timeouts, stop, join_timeout
         self.incarnations: dict[int, int] = {}
+        self.first_attempt, self.resume = 1, None  # the loop's first attempt and its snapshot (set by start)
+        self.waited = 0.0  # the leader's last gather: how long it waited for lost nodes (the RTO ledger)
+        self.lost_nodes: list[int] = []
 
     @property
     def job(self) -> JobStore:
@@ -63,39 +65,21 @@ class NodeSupervisor(Supervisor):
     def leader(self) -> bool:
         return self.world.settings.leader
 
-    def supervise(self) -> Outcome:
-        try:
-            outcome = self._supervise()
-        except LeaderLost as exc:
-            return self._leader_lost(str(exc))
+    leads = leader
+
+    def torn_down(self, watch: AttemptWatch) -> None:
+        self._call(self.job.ack_teardown, watch.attempt, self.world.node, teardown_s=watch.teardown_s)
+
+    def ended(self, outcome: Outcome, restarts: int) -> None:
         if self.leader:
-            self._publish_end(outcome)
+            self._publish_end(outcome, restarts)
         else:
             self._ack_end(outcome)
-        return outcome
-
-    def _supervise(self) -> Outcome:
-        first = self._first_attempt()
-        if isinstance(first, Outcome):
-            return first
-        attempt, resume = first
-        while True:
-            watch = self.run_attempt(attempt, resume)
-            if self.abort is not None:
-                return self._aborted(watch, self.abort)
-            if watch.state is State.SUCCEEDED:
-                return self._done(watch)
-            if watch.state is State.STOPPED:
-                return self._stopped(watch)
-            self._call(self.job.ack_teardown, attempt, self.world.node, teardown_s=watch.teardown_s)
-            step = self._decide(watch) if self.leader else self._follow(attempt)
-            if isinstance(step, Outcome):
-                return step
-            attempt, resume = step
 
     # --- the first attempt -----------------------------------------------------------------
 
-    def _first_attempt(self) -> tuple[int, Snapshot | None] | Outcome:
+    def start(self, attempt: int, resume: Snapshot | None) -> Next | Outcome:
+        self.first_attempt, self.resume = attempt, resume
         try:  # the attempt running before this node joins is not this node's: wait for a higher number
             current = self.job.attempt()
         except StoreUnreachable as exc:
@@ -107,14 +91,13 @@ class NodeSupervisor(Supervisor):
                 return self._not_joined(missing)
             self._call(self.job.start_attempt, self.first_attempt, describe_snapshot(self.resume), self.world.nodes)
             return self.first_attempt, self.resume
-        first = self._next_attempt(after_attempt=int(current["attempt"]) if current else 0)
-        if not isinstance(first, Outcome):
-            self.first_attempt, self.restarts = first[0], 0  # restarts count from here, as on the leader
-        return first
+        return self._next_attempt(after_attempt=int(current["attempt"]) if current else 0)
 
     # --- the leader between attempts --------------------------------------------------------
 
-    def _decide(self, watch: AttemptWatch) -> tuple[int, Snapshot | None] | Outcome:
+    def gather(self, watch: AttemptWatch) -> GiveUp | None:
+        """The attempt's first failure (whichever node saw it: one budget unit per incident), every node's
+        teardown, and each lost node waited for (or left out, elastic); a verdict when one stays lost."""
         first = self.job.failure(watch.attempt) or {}
         if first.get("node") not in (None, self.world.node):
             watch.failure = {**(watch.failure or {}), **{k: first.get(k) for k in ("cause", "rank", "step", "detect_s")},
@@ -124,21 +107,16 @@ class NodeSupervisor(Supervisor):
         for lost in lost_nodes:
             if not self._wait_for_rejoin(lost) and not self._shrink(watch, lost):
                 reason = f"node {lost} was lost and no launcher of node rank {lost} joined within {self.join_timeout:g}s"
-                return self._give_up(watch, GiveUp(EXIT_NO, reason, "relaunch `ckptrun resume --latest` on every node"))
+                return GiveUp(EXIT_NO, reason, "relaunch `ckptrun resume --latest` on every node")
         self._grow(watch)
-        waited = time.monotonic() - waited
-        set_aside = self._quarantine_unloadable(watch)
-        verdict = self.policy.verdict(self._facts(watch, set_aside))
-        if isinstance(verdict, GiveUp):
-            return self._give_up(watch, verdict)
-        self.world.verify_for = watch.attempt  # the restart's snapshot: every node verifies a share
-        snapshot = self._prepare_restart(watch, verdict)
-        if snapshot is False:
-            return self._stopped(watch)
-        if self.pending_restart is not None:  # the RTO ledger: a lost node's rejoin wait, and who verified
-            self.pending_restart.update(node_join_s=waited, nodes=list(self.world.active), lost_nodes=lost_nodes)
-        self.job.start_attempt(watch.attempt + 1, describe_snapshot(snapshot or None), self.world.active)
-        return watch.attempt + 1, snapshot or None
+        self.waited, self.lost_nodes = time.monotonic() - waited, lost_nodes
+        return None
+
+    def restarting(self, watch: AttemptWatch, snapshot: Snapshot | None, pending: dict[str, Any] | None) -> None:
+        """Publish the next attempt: its number, the snapshot every node resumes from, the nodes that run it."""
+        if pending is not None:  # the RTO ledger: a lost node's rejoin wait, and who verified
+            pending.update(node_join_s=self.waited, nodes=list(self.world.active), lost_nodes=self.lost_nodes)
+        self.job.start_attempt(watch.attempt + 1, describe_snapshot(snapshot), self.world.active)
 
     def _wait_for_acks(self, attempt: int) -> None:
         """Every node has torn attempt ``attempt`` down (a silent or relaunched node is not waited for)."""
@@ -227,7 +205,7 @@ class NodeSupervisor(Supervisor):
             time.sleep(self.timeouts.poll)
 
     def _not_joined(self, missing: list[int]) -> Outcome:
-        """Start-up ends without every node: the leader's verdict (published by :meth:`supervise`) names them."""
+        """Start-up ends without every node: the leader's verdict (published by :meth:`ended`) names them."""
         message = f"node(s) {missing} did not join within {self.timeouts.startup:g}s (--startup-timeout): nothing ran"
         if self.resume is not None:  # a resume: its snapshot is still there
             code, hint = EXIT_REQUEUE, ("start `ckptrun resume --latest` on every node (the same --rdzv-endpoint), "
@@ -242,10 +220,10 @@ class NodeSupervisor(Supervisor):
 
     # --- a client between attempts ------------------------------------------------------------
 
-    def _follow(self, attempt: int) -> tuple[int, Snapshot | None] | Outcome:
+    def follow(self, attempt: int) -> Next | Outcome:
         return self._next_attempt(after_attempt=attempt)
 
-    def _next_attempt(self, after_attempt: int) -> tuple[int, Snapshot | None] | Outcome:
+    def _next_attempt(self, after_attempt: int) -> Next | Outcome:
         """Wait for the leader's word: an attempt numbered above ``after_attempt`` that lists this node (its
         number, never the leader's clock, says it is new), or how the job ends."""
         unreachable, verified = None, set()
@@ -268,7 +246,6 @@ class NodeSupervisor(Supervisor):
             if is_next(record, after_attempt, self.world.node):
                 snap = record.get("snapshot")
                 resume = Snapshot(Path(snap["path"]), int(snap["step"])) if snap else None
-                self.restarts = max(self.restarts, int(record["attempt"]) - self.first_attempt)
                 self.world.active = [int(n) for n in record["nodes"]]
                 return int(record["attempt"]), resume
             self._call(self.job.beat, self.world.node, attempt=after_attempt, state="waiting")
@@ -278,11 +255,11 @@ class NodeSupervisor(Supervisor):
 
     # --- endings --------------------------------------------------------------------------------
 
-    def _publish_end(self, outcome: Outcome) -> None:
+    def _publish_end(self, outcome: Outcome, restarts: int) -> None:
         """Say how the job ended, then keep the store up until every node has read it (bounded)."""
         action = {0: "done", 3: "stopped"}.get(outcome.code, "gave_up")
         self._call(self.job.set_verdict, action, outcome.code, outcome.message, hint=outcome.hint,
-                   restarts=self.restarts)
+                   restarts=restarts)
         deadline = time.monotonic() + self.timeouts.grace
         waiting = [n for n in self.world.nodes if n not in self.world.active  # dropped, then joined again
                    and int((self._call(self.job.node, n) or {}).get("incarnation", 0)) > self.incarnations.get(n, 1)]
@@ -296,13 +273,13 @@ class NodeSupervisor(Supervisor):
     def _ack_end(self, outcome: Outcome) -> None:
         self._call(self.job.ack_teardown, "end", self.world.node, code=outcome.code)
 
-    def _leader_lost(self, detail: str) -> Outcome:
+    def lost(self, detail: str, restarts: int) -> Outcome:
         self.world.abandon()
         self.world.event("leader_lost", detail=detail)
         self.world.say(f"lost the job's leader (node 0): {detail}; this node's ranks are down")
         return Outcome(EXIT_REQUEUE, "lost the job's leader (node 0's launcher or its host is gone)",
                        "the job is resumable: let the scheduler requeue it, or run `ckptrun resume --latest` "
-                       "on every node", restarts=self.restarts)
+                       "on every node", restarts=restarts)
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         try:

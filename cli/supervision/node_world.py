@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptrun.cli.supervision.job import JobLost
 from ckptrun.cli.supervision.job_store import JobStore, NodeWatch, StoreUnreachable
 from ckptrun.cli.supervision.node_env import NodeSettings
 from ckptrun.cli.supervision.node_verify import choose
@@ -35,7 +36,7 @@ RANKS_NAME = "ranks.json"  # in nodes/node-k: the global ranks this node runs in
 RUN_EVENTS = ("attempt_start", "restart", "run_completed", "run_stopped", "gave_up")  # the leader's alone
 
 
-class LeaderLost(Exception):
+class LeaderLost(JobLost):
     """The leader's store went away: this node tears down and exits with the requeue code."""
 
 
@@ -83,7 +84,7 @@ class NodeWorld(LocalWorld):
         self.remote_failure: dict[str, Any] | None = None
         self.remote_stop: dict[str, Any] | None = None
         self.unreachable_since: float | None = None
-        self.verify_for: int | None = None  # set by the leader before it picks a restart's snapshot
+        self.verify_for: int | None = None  # set when the leader picks a restart's snapshot
         self.placed = 0  # the attempt whose ranks were written to nodes/node-k/ranks.json
 
     # --- launching ---
@@ -150,6 +151,11 @@ class NodeWorld(LocalWorld):
             super().event("failure", node=stale[0], attempt=self.attempt, cause="node lost", exception=detail,
                           detected_at=now, detect_s=detect_s, reported_by=self.node)
         return first
+
+    def restart_snapshot(self) -> Snapshot | None:
+        """The leader picks the restart's snapshot of the attempt that just failed: every node verifies a share."""
+        self.verify_for = self.attempt
+        return super().restart_snapshot()
 
     def newest_snapshot(self) -> Snapshot | None:
         """A restart's snapshot is verified by every node, a share each (the leader names it); else here alone."""

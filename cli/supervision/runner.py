@@ -22,8 +22,9 @@ from ckptrun.cli.durations import format_duration
 from ckptrun.cli.errors import EXIT_OK, EXIT_STOPPED, EXIT_UNRECOVERABLE, CkptrunError
 from ckptrun.cli.progress import Progress
 from ckptrun.cli.supervision.attempt import default_job
+from ckptrun.cli.supervision.job import Job, OneNode
 from ckptrun.cli.supervision.job_store import JobStore
-from ckptrun.cli.supervision.node_agent import NodeSupervisor
+from ckptrun.cli.supervision.node_agent import NodeJob
 from ckptrun.cli.supervision.node_env import NodeSettings
 from ckptrun.cli.supervision.node_world import NodeWorld
 from ckptrun.cli.supervision.observation import Outcome, Snapshot, StopControl
@@ -223,23 +224,20 @@ def _from_source(ckpt_dir: Path, source: str) -> Snapshot:
 
 def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume: Snapshot | None,
                   as_json: bool = False, *, estimator: Estimator, settings: NodeSettings | None = None,
-                  job: JobStore | None = None) -> int:
+                  store: JobStore | None = None) -> int:
     """Run the supervisor with signal handlers installed; report its outcome; clean the stop channel.
 
-    One epilogue for one node and for many: with ``settings`` and ``job`` (the job's store) this launcher
+    One epilogue for one node and for many: with ``settings`` and ``store`` (the job's store) this launcher
     is one node of a multi-node job, and only the leader owns the shared stop file."""
     spec = record.spec
     progress = Progress(out=sys.stderr if as_json else sys.stdout)  # stdout holds only the JSON document then
-    world = _world(record, paths, progress, resume, estimator, settings, job)
+    world = _world(record, paths, progress, resume, estimator, settings, store)
     stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
     policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
     timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)
     checks = RecoveryOptions(spec.deterministic, spec.require_exact_resume, spec.rto_budget, spec.strict_budget)
-    if isinstance(world, NodeWorld):
-        supervisor: Supervisor = NodeSupervisor(world, policy, timeouts, stop, first_attempt, resume, checks,
-                                                faults=spec.inject_fault, join_timeout=spec.node_join_timeout)
-    else:
-        supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume, checks, faults=spec.inject_fault)
+    job: Job = NodeJob(world, timeouts, stop, spec.node_join_timeout) if isinstance(world, NodeWorld) else OneNode()
+    supervisor = Supervisor(world, policy, timeouts, stop, first_attempt, resume, checks, faults=spec.inject_fault, job=job)
     supervisor.plain_seen = bool(records.read_events(paths.root, "plain_script"))  # known from an earlier attempt
     leads = settings is None or settings.leader  # the stop file is the run's: its leader's to clear
     if leads:
@@ -260,16 +258,16 @@ def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume
 
 
 def _world(record: RunRecord, paths: RunPaths, progress: Progress, resume: Snapshot | None, estimator: Estimator,
-           settings: NodeSettings | None, job: JobStore | None) -> LocalWorld:
-    """This node's world: alone, or one node of a job whose store is ``job``."""
+           settings: NodeSettings | None, store: JobStore | None) -> LocalWorld:
+    """This node's world: alone, or one node of a job whose store is ``store``."""
     spec = record.spec
     target = [str(spec.script or default_job()), *spec.script_args]
     common: dict[str, Any] = {"restored_step": resume.step if resume else None, "estimator": estimator}
     args = (spec, record.run_id, paths, ckpt_dir_of(spec, paths.root), target, progress)
-    if settings is None or job is None:
+    if settings is None or store is None:
         return LocalWorld(*args, **common)
     node_timeout = max(5.0, min(spec.heartbeat_timeout, 30.0))
-    return NodeWorld(*args, **common, settings=settings, job=job, node_timeout=node_timeout)
+    return NodeWorld(*args, **common, settings=settings, job=store, node_timeout=node_timeout)
 
 
 def cadence(spec: LaunchSpec) -> str:

@@ -10,19 +10,29 @@ end a run too: an RTO estimate over ``--strict-budget`` (a stop, exit 1), a
 diverged resume under ``--require-exact-resume`` (the ranks are killed
 without saving the suspect state, exit 4).
 
+One loop for one node and for many: a single-node run is a many-node run of
+one node. Between attempts the loop asks its :class:`~ckptrun.cli.supervision.job.Job`:
+alone it leads itself; on many nodes the leader gathers the nodes before its
+verdict and publishes the next attempt, and a follower runs the attempt the
+leader publishes or ends with its verdict
+(:class:`ckptrun.cli.supervision.node_agent.NodeJob`). How each ending reads
+lives in :mod:`ckptrun.cli.supervision.endings`.
+
 Everything the supervisor observes or does goes through a :class:`World`
 (launch, observe, tear down, verify, the clock, sleeping), so unit tests
 script the observations and run without processes or sleeps. The real world
-is :class:`ckptrun.cli.supervision.world.LocalWorld`. Importable without torch.
+is :class:`ckptrun.cli.supervision.world.LocalWorld` (one node of many:
+:class:`ckptrun.cli.supervision.node_world.NodeWorld`). Importable without torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_STOPPED, EXIT_UNRECOVERABLE
+from ckptrun.cli.errors import EXIT_UNRECOVERABLE
+from ckptrun.cli.supervision.endings import Endings
 from ckptrun.cli.supervision.failures import RankFailure, describe_failure, root_cause
+from ckptrun.cli.supervision.job import Job, JobLost, Next, OneNode
 from ckptrun.cli.supervision.observation import AttemptWatch, Observation, Outcome, Snapshot, State, StopControl, World
 from ckptrun.cli.supervision.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect,
                                             stale_ranks, waiting_on_peers)
@@ -34,13 +44,14 @@ from ckptrun.runtime.faults import parse_faults
 STEP_FAULTS = ("kill", "hang", "exit")  # what the bootstrap's step hook fires in a plain script; the rest need the runtime
 
 
-class Supervisor:
+class Supervisor(Endings):
     """Runs attempts until the job succeeds, stops, or the policy gives up."""
 
     def __init__(self, world: World, policy: RestartPolicy, timeouts: Timeouts, stop: StopControl,
                  first_attempt: int = 1, resume: Snapshot | None = None, recovery: RecoveryOptions | None = None,
-                 faults: str | None = None) -> None:
+                 faults: str | None = None, job: Job | None = None) -> None:
         self.world, self.policy, self.timeouts, self.stop = world, policy, timeouts, stop
+        self.job: Job = job or OneNode()  # where the job's decisions are taken: here alone, or with other nodes
         self.first_attempt, self.resume = first_attempt, resume
         self.restarts = 0  # the one restart counter
         self.stalled_restarts = 0
@@ -54,7 +65,20 @@ class Supervisor:
     # --- the loop -------------------------------------------------------------
 
     def supervise(self) -> Outcome:
-        attempt, resume = self.first_attempt, self.resume
+        """Attempt → observe → decide (restart, stop, give up) → the next attempt, until the job ends."""
+        try:
+            outcome = self._supervise()
+        except JobLost as exc:  # many nodes: the leader's store is gone
+            return self.job.lost(str(exc), self.restarts)
+        self.job.ended(outcome, self.restarts)
+        return outcome
+
+    def _supervise(self) -> Outcome:
+        start = self.job.start(self.first_attempt, self.resume)
+        if isinstance(start, Outcome):
+            return start
+        attempt, resume = start
+        self.first_attempt = attempt  # a follower joins at the leader's attempt: its restarts count from there
         while True:
             watch = self.run_attempt(attempt, resume)
             if self.abort is not None:
@@ -63,17 +87,36 @@ class Supervisor:
                 return self._done(watch)
             if watch.state is State.STOPPED:
                 return self._stopped(watch)
-            set_aside = self._quarantine_unloadable(watch)  # before the verdict: a fallback exists now
-            verdict = self.policy.verdict(self._facts(watch, set_aside))
-            if isinstance(verdict, GiveUp):
-                return self._give_up(watch, verdict)
-            try:
-                snapshot = self._prepare_restart(watch, verdict)
-            except SnapshotUnavailable as exc:  # unknown is not none: never restart from step 0 off the line
-                return self._store_failed(watch, str(exc))
-            if snapshot is False:
-                return self._stopped(watch)
-            attempt, resume = attempt + 1, snapshot or None
+            self.job.torn_down(watch)
+            step = self._decide(watch) if self.job.leads else self._follow(attempt)
+            if isinstance(step, Outcome):
+                return step
+            attempt, resume = step
+
+    def _decide(self, watch: AttemptWatch) -> Next | Outcome:
+        """The leader's verdict on a failed attempt (one node leads itself): restart, stop or give up."""
+        missing = self.job.gather(watch)  # many nodes: the first failure, every teardown, lost nodes
+        if missing is not None:
+            return self._give_up(watch, missing)
+        set_aside = self._quarantine_unloadable(watch)  # before the verdict: a fallback exists now
+        verdict = self.policy.verdict(self._facts(watch, set_aside))
+        if isinstance(verdict, GiveUp):
+            return self._give_up(watch, verdict)
+        try:
+            snapshot = self._prepare_restart(watch, verdict)
+        except SnapshotUnavailable as exc:  # unknown is not none: never restart from step 0 off the line
+            return self._store_failed(watch, str(exc))
+        if snapshot is False:
+            return self._stopped(watch)
+        self.job.restarting(watch, snapshot or None, self.pending_restart)
+        return watch.attempt + 1, snapshot or None
+
+    def _follow(self, attempt: int) -> Next | Outcome:
+        """A follower runs the leader's next attempt (its restarts count as the leader's) or ends with its verdict."""
+        step = self.job.follow(attempt)
+        if not isinstance(step, Outcome):
+            self.restarts = max(self.restarts, step[0] - self.first_attempt)
+        return step
 
     def run_attempt(self, attempt: int, resume: Snapshot | None) -> AttemptWatch:
         watch = AttemptWatch(attempt, self.world.now(), resume)
@@ -161,11 +204,6 @@ class Supervisor:
         watch.teardown_s = self.world.teardown(failed=True)
         watch.state, watch.forced = State.STOPPED, True
         return True
-
-    @property
-    def plain(self) -> bool:
-        """The script does not use ckptrun.runtime: its steps are seen only through torch's optimizer hook."""
-        return self.plain_seen and not self.runtime_seen
 
     def _plain_script_notice(self) -> None:
         """Said once, when it is known: a step-hook heartbeat, or a failure record of a script without the runtime."""
@@ -337,82 +375,3 @@ class Supervisor:
             return
         self.pending_restart = None
         self.recovery.log_restart(self.world, pending)
-
-    # --- outcomes -----------------------------------------------------------------
-
-    def _done(self, watch: AttemptWatch) -> Outcome:
-        self.world.event("run_completed", attempt=watch.attempt, restarts=self.restarts, step=watch.last_step)
-        at = f" at step {watch.last_step}" if watch.last_step is not None else ""
-        return Outcome(EXIT_OK, f"run completed{at} after {self.restarts} restart(s)",
-                       attempts=watch.attempt - self.first_attempt + 1, restarts=self.restarts)
-
-    def _stopped(self, watch: AttemptWatch) -> Outcome:
-        if self.plain:
-            return self._plain_stopped(watch)
-        stopped = self.world.attempt_events("stopped")
-        try:
-            step = self.world.newest_step()  # from a store's listing: a stop does not download the snapshot
-        except SnapshotUnavailable as exc:
-            return self._store_failed(watch, str(exc), stopping=True)
-        attempts = watch.attempt - self.first_attempt + 1
-        self.world.event("run_stopped", attempt=watch.attempt, forced=watch.forced,
-                         step=stopped[-1].get("step") if stopped else watch.last_step, snapshot_step=step)
-        if step is None:
-            return Outcome(EXIT_NO, "stopped before any verified snapshot existed; nothing to resume",
-                           "launch the run again (add --save-every-steps to save sooner)", attempts, self.restarts)
-        return Outcome(EXIT_STOPPED, f"stopped; newest verified snapshot: step {step}",
-                       "continue with `ckptrun resume --latest`", attempts, self.restarts)
-
-    def _store_failed(self, watch: AttemptWatch, reason: str, stopping: bool = False) -> Outcome:
-        """The snapshot store failed after retries: end resumably (exit 3), whatever was saved is kept."""
-        self.world.event("run_stopped" if stopping else "gave_up", attempt=watch.attempt, exit_code=EXIT_STOPPED,
-                         reason=reason, restarts=self.restarts, forced=watch.forced)
-        return Outcome(EXIT_STOPPED, f"{'stopped' if stopping else 'cannot restart'}: {reason}",
-                       "once the store answers again, continue with `ckptrun resume --latest` (pass the credentials "
-                       "again with --storage-option if the run took them from there)",
-                       watch.attempt - self.first_attempt + 1, self.restarts)
-
-    def _plain_stopped(self, watch: AttemptWatch) -> Outcome:
-        """A plain script was sent SIGTERM: resumable only if it exited cleanly (then it saved what it saves)."""
-        attempts = watch.attempt - self.first_attempt + 1
-        self.world.event("run_stopped", attempt=watch.attempt, forced=watch.forced, step=watch.last_step,
-                         snapshot_step=None, plain_script=True)
-        if watch.forced:
-            return Outcome(EXIT_NO, "the script did not exit cleanly on SIGTERM (it was killed or exited non-zero); "
-                           "whether it saved its state is unknown", "look at its log under logs/; "
-                           "`ckptrun resume --latest` relaunches it from its own files", attempts, self.restarts)
-        return Outcome(EXIT_STOPPED, "stopped: the script exited cleanly on SIGTERM",
-                       "continue with `ckptrun resume --latest` (it resumes from its own files)", attempts, self.restarts)
-
-    def _aborted(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
-        """A recovery check ended the run: an RTO over a strict budget, a diverged resume."""
-        if self.recovery.options.require_exact_resume and self.recovery.diverged():
-            verdict = self._abandon_diverged(watch, verdict)
-        self.world.event("gave_up", attempt=watch.attempt, exit_code=verdict.code, reason=verdict.reason,
-                         restarts=self.restarts)
-        return Outcome(verdict.code, verdict.reason, verdict.hint, watch.attempt - self.first_attempt + 1, self.restarts)
-
-    def _abandon_diverged(self, watch: AttemptWatch, verdict: GiveUp) -> GiveUp:
-        """The ranks are gone: what the diverged attempt saved moves out of the lineage, so that neither
-        `resume --latest` nor a restart picks it; the hint says what happened to it."""
-        moved = self.world.abandon_after(watch.resume.path if watch.resume else None)
-        if not moved:
-            return replace(verdict, hint=f"{verdict.hint}; nothing after the divergence was saved")
-        self.world.event("snapshots_abandoned", attempt=watch.attempt, reason="diverged resume",
-                         snapshots=[str(p) for p in moved])
-        names = ", ".join(p.name for p in moved)
-        return replace(verdict, hint=f"{verdict.hint}; what the diverged attempt saved ({names}) was moved to "
-                                     f"{moved[0].parent} and will not be resumed from")
-
-    def _give_up(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
-        failure = watch.failure or {}
-        self.world.event("gave_up", attempt=watch.attempt, exit_code=verdict.code, reason=verdict.reason,
-                         restarts=self.restarts)
-        log = failure.get("log")
-        if failure.get("stderr_tail"):
-            self.world.say(f"the last lines rank {failure.get('rank')} wrote to stderr:")
-            for line in failure["stderr_tail"]:
-                self.world.say(f"  | {line}")
-        hint = verdict.hint + (f"; full log in {log}" if log else "")
-        return Outcome(verdict.code, f"{verdict.reason}: {describe_failure(failure)}", hint,
-                       watch.attempt - self.first_attempt + 1, self.restarts)
