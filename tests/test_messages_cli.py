@@ -28,3 +28,33 @@ def test_a_parse_error_is_one_error_line_and_one_hint(tmp_path: Path, argv: list
     result = ckptrun(*argv, cwd=tmp_path, timeout=60)
     assert (result.returncode, result.stderr.splitlines()) == (2, lines)
     assert result.stdout == "" and not (tmp_path / "runs").exists() and not (tmp_path / "ran").exists()
+
+
+# --- item 2: a TOML key typo gets the nearest option name, never a dump of every field ---------------
+
+
+@pytest.mark.parametrize("line, lines", [
+    ("nproc_per_nod = 2", ["error: run.toml: unknown key 'nproc_per_nod'", "hint: did you mean nproc-per-node? "
+                           "the keys are launch's long options, `-` or `_` alike (see `ckptrun launch --help`)"]),
+    ('store-url = "s3://b/x"', ["error: run.toml: unknown key 'store-url'", "hint: did you mean ckpt-dir? "
+                                "the keys are launch's long options, `-` or `_` alike (see `ckptrun launch --help`)"]),
+])
+def test_a_config_key_typo_suggests_the_option(tmp_path: Path, line: str, lines: list[str]) -> None:
+    (tmp_path / "run.toml").write_text(line + "\n")
+    (tmp_path / "train.py").write_text("open('ran', 'w').close()\n")
+    result = ckptrun("launch", "--config", "run.toml", "train.py", cwd=tmp_path, timeout=60)
+    assert (result.returncode, result.stderr.splitlines()) == (2, lines)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ran").exists()
+
+
+def test_config_keys_take_either_spelling_and_help_lists_no_internal_field(tmp_path: Path) -> None:
+    from ckptrun.cli.supervision.spec import build_spec, config_keys
+
+    (tmp_path / "run.toml").write_text("nproc_per_node = 2\nheartbeat-timeout = 9\n")
+    spec = build_spec({}, tmp_path / "run.toml")
+    assert (spec.nproc_per_node, spec.heartbeat_timeout) == ("2", 9.0)
+    shown = ckptrun("launch", "--help", cwd=tmp_path, timeout=60).stdout
+    internal = ("--store-url", "--store-secrets", "--script-args", "--store-options")
+    assert "--nproc-per-node" in shown and not [name for name in internal if name in shown]
+    assert {"nproc-per-node", "ckpt-dir", "storage-option"} <= set(config_keys())
+    assert not {"store-url", "store-secrets"} & set(config_keys())
