@@ -31,7 +31,7 @@ class Commands(LazyGroup):
                               context="ckptrun.cli.commands.launch:LAUNCH_CONTEXT", metavar=SCRIPT_USAGE),
         "resume": LazyCommand("ckptrun.cli.commands.launch", "resume", "Continue a stopped, failed or preempted run from its "
                               "newest verified snapshot, with its run.json spec.",
-                              context="ckptrun.cli.commands.launch:RESUME_CONTEXT", metavar="[OPTIONS] [-- SCRIPT_ARGS...]"),
+                              context="ckptrun.cli.commands.launch:RESUME_CONTEXT", metavar="[OPTIONS] [RUN_DIR] [-- SCRIPT_ARGS...]"),
         "stop": LazyCommand("ckptrun.cli.commands.launch", "stop", "Ask a running launch to save a snapshot at the next step "
                             "boundary and exit 3 (resumable)."),
         "preflight": LazyCommand("ckptrun.cli.commands.preflight", "preflight", "Before a long run: prove SCRIPT learns, "

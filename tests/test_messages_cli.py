@@ -6,6 +6,7 @@ their exit code and nothing created.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,41 @@ def test_config_keys_take_either_spelling_and_help_lists_no_internal_field(tmp_p
     assert "--nproc-per-node" in shown and not [name for name in internal if name in shown]
     assert {"nproc-per-node", "ckpt-dir", "storage-option"} <= set(config_keys())
     assert not {"store-url", "store-secrets"} & set(config_keys())
+
+
+# --- item 4: which run: the newest by its own start, said, and named either way ----------------------
+
+
+def _finished_run(cwd: Path, name: str, created: float) -> Path:
+    """A completed run as the supervisor leaves it: run.json, its events and three step records."""
+    from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, write_run_record
+    from ckptrun.runtime.records import log_event, log_metrics
+
+    run_dir = cwd / "runs" / name
+    run_dir.mkdir(parents=True)
+    write_run_record(run_dir, RunRecord(run_id=name, created=created, spec=LaunchSpec(run_dir=run_dir)))
+    for event in ("launch", "attempt_start", "run_completed"):
+        log_event(run_dir, event, attempt=1, step=3)
+    for step in (1, 2, 3):
+        log_metrics(run_dir, {"step": step, "attempt": 1, "time": created + step, "loss": 1.0 / step})
+    return run_dir
+
+
+def test_a_bare_resume_picks_the_newest_run_by_start_even_after_reading_an_older_one(tmp_path: Path) -> None:
+    old = _finished_run(tmp_path, "old", created=1_000.0)
+    _finished_run(tmp_path, "new", created=2_000.0)
+    assert ckptrun("report", "runs/old", cwd=tmp_path, timeout=120).returncode == 0  # writes into runs/old
+    assert (old / "report.png").exists()
+    picked = ckptrun("resume", "--latest", "--json", cwd=tmp_path, timeout=60)
+    assert picked.returncode == 0, picked.stderr
+    assert picked.stderr.splitlines()[0] == (f"ckptrun: run {Path('runs/new')} (the newest under runs/ by start time; "
+                                             "pass --run-dir RUN_DIR for another)")
+    assert json.loads(picked.stdout)["run_dir"] == str(Path("runs/new"))
+    for argv in (["status", "runs/old", "--json"], ["status", "--run-dir", "runs/old", "--json"]):
+        shown = ckptrun(*argv, cwd=tmp_path, timeout=60)
+        assert (shown.returncode, json.loads(shown.stdout)["run_dir"], shown.stderr) == (0, "runs/old", ""), argv
+    positional = ckptrun("resume", "runs/old", "--json", cwd=tmp_path, timeout=60)
+    assert json.loads(positional.stdout)["run_dir"] == "runs/old" and "the newest under" not in positional.stderr
+    both = ckptrun("stop", "runs/old", "--run-dir", "runs/new", cwd=tmp_path, timeout=60)
+    assert (both.returncode, both.stderr.splitlines()) == (2, [
+        "error: two runs: runs/old and --run-dir runs/new", "hint: pass one of them"])

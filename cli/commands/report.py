@@ -29,12 +29,14 @@ from ckptrun.cli.commands.report_data import RunFacts, summarize
 from ckptrun.cli.commands.report_figure import draw
 from ckptrun.cli.commands.report_page import html_page
 from ckptrun.cli.commands.status_facts import check_run_dir
+from ckptrun.cli.commands.which_run import chosen_run, run_dir_argument, run_dir_option
 from ckptrun.cli.errors import EXIT_OK, CkptrunError, command
 
 
 @command
 def report(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run directory (runs/NAME)."),
+    run_dir: Optional[Path] = run_dir_argument(),
+    run_dir_flag: Optional[Path] = run_dir_option(),
     output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE.png", help="The PNG's path; the HTML page goes beside it (same stem). [default: RUN_DIR/report.png]", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (the files and the summary) on stdout."),
 ) -> int:
@@ -46,6 +48,7 @@ def report(
       ckptrun report runs/demo
       ckptrun report runs/demo -o demo.png      # also writes demo.html
     """
+    run_dir = chosen_run(run_dir, run_dir_flag)
     check_run_dir(run_dir)
     png = output if output is not None else run_dir / "report.png"
     if png.suffix.lower() != ".png":

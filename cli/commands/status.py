@@ -22,9 +22,9 @@ from typing import Optional
 import typer
 from ckptrun.cli.commands.status_facts import StepRates, check_run_dir, collect
 from ckptrun.cli.commands.status_text import render
+from ckptrun.cli.commands.which_run import chosen_run, run_dir_argument, run_dir_option
 from ckptrun.cli.durations import DurationError, parse_duration
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
-from ckptrun.cli.supervision.rundir import latest_run
 
 WATCH_INTERVAL_S = 2.0
 CLEAR = "\033[H\033[2J"
@@ -32,7 +32,8 @@ CLEAR = "\033[H\033[2J"
 
 @command
 def status(
-    run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help="The run. [default: the most recent under runs/]", show_default=False),
+    run_dir: Optional[Path] = run_dir_argument(),
+    run_dir_flag: Optional[Path] = run_dir_option(),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every 2 s in place (on a terminal; otherwise print once). Ctrl-C exits."),
     rto_budget: Optional[str] = typer.Option(None, "--rto-budget", metavar="DURATION", help="Compare the measured RTO with this (e.g. 90s); exit 1 when over."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout (--watch is ignored)."),
@@ -49,7 +50,7 @@ def status(
       ckptrun status runs/demo --watch
       ckptrun status runs/demo --json
     """
-    run_dir = run_dir if run_dir is not None else _latest()
+    run_dir = chosen_run(run_dir, run_dir_flag)
     check_run_dir(run_dir)
     budget = _budget(rto_budget)
     rates = StepRates()
@@ -58,13 +59,6 @@ def status(
     document = collect(run_dir, rates, budget)
     sys.stdout.write(json.dumps(document, indent=2) + "\n" if as_json else render(document) + "\n")
     return EXIT_NO if document["rto"]["within_budget"] is False else EXIT_OK
-
-
-def _latest() -> Path:
-    try:
-        return latest_run()
-    except CkptrunError as exc:
-        raise CkptrunError(exc.message, "pass RUN_DIR, or run from the directory that holds runs/") from None
 
 
 def _budget(text: str | None) -> float | None:
