@@ -97,3 +97,52 @@ def test_a_bare_resume_picks_the_newest_run_by_start_even_after_reading_an_older
     both = ckptrun("stop", "runs/old", "--run-dir", "runs/new", cwd=tmp_path, timeout=60)
     assert (both.returncode, both.stderr.splitlines()) == (2, [
         "error: two runs: runs/old and --run-dir runs/new", "hint: pass one of them"])
+
+
+# --- item 6: a user's traceback starts at the user's script ------------------------------------------
+
+RAISES = 'def train():\n    raise ValueError("bad batch at step 0")\n\n\ntrain()\n'
+USER_TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line 5, in <module>', "    train()",
+                  '  File "train.py", line 2, in train', '    raise ValueError("bad batch at step 0")',
+                  "ValueError: bad batch at step 0"]
+
+
+@pytest.mark.parametrize("entry", [["ckptrun.runtime.worker.bootstrap"], ["ckptrun.runtime.worker.warm_start", "pids"]],
+                         ids=["cold", "warm"])
+def test_a_script_traceback_starts_at_the_script_and_debug_keeps_ours(tmp_path: Path, entry: list[str]) -> None:
+    """What a rank prints (torchrun runs exactly these entries); the error file torchrun reads says the same."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(RAISES)
+    (tmp_path / "pids").mkdir()
+    env = {**os.environ, "RANK": "0", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}
+    env.pop("CKPTRUN_DEBUG", None)
+    plain = subprocess.run([sys.executable, "-m", *entry, "train.py"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=60)
+    lines = plain.stderr.splitlines()  # a warm start outside torchrun's agent first says it has no agent
+    assert (plain.returncode, lines[lines.index(USER_TRACEBACK[0]):]) == (1, USER_TRACEBACK)
+    recorded = json.loads((tmp_path / "error.json").read_text())["message"]["extraInfo"]["py_callstack"]
+    assert recorded.splitlines() == USER_TRACEBACK
+    debug = subprocess.run([sys.executable, "-m", *entry, "train.py"], cwd=tmp_path, env={**env, "CKPTRUN_DEBUG": "1"},
+                           capture_output=True, text=True, timeout=60)
+    assert debug.returncode == 1 and "bootstrap.py" in debug.stderr and debug.stderr.endswith(USER_TRACEBACK[-1] + "\n")
+
+
+def test_the_launchers_debug_flag_reaches_the_workers(tmp_path: Path) -> None:
+    import io
+
+    from ckptrun.cli import errors
+    from ckptrun.cli.progress import Progress
+    from ckptrun.cli.supervision.rundir import RunPaths
+    from ckptrun.cli.supervision.spec import LaunchSpec
+    from ckptrun.cli.supervision.world import LocalWorld
+
+    world = LocalWorld(LaunchSpec(), "r", RunPaths(tmp_path), tmp_path / "checkpoints", [], Progress(stream=io.StringIO()))
+    assert world.run_env(1, None).to_env().get("CKPTRUN_DEBUG", "0") == "0"
+    errors.set_debug(True)
+    try:
+        assert world.run_env(1, None).to_env()["CKPTRUN_DEBUG"] == "1"
+    finally:
+        errors.set_debug(False)

@@ -54,6 +54,7 @@ NOT_OPTIONS = frozenset({
     "save_every_auto", "mtbf_seconds", "heartbeat_interval", "fault",  # from save_every, mtbf, heartbeat_timeout, inject_fault
     "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
     "ckpt_url", "local_cache", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option (store_location)
+    "debug",  # the global --debug of the launcher
 })
 WorkerPolicy: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "WorkerPolicy", __doc__="The contract-C1 fields a launch decides for every worker: RunEnv's own fields.",
