@@ -146,3 +146,76 @@ def test_the_launchers_debug_flag_reaches_the_workers(tmp_path: Path) -> None:
         assert world.run_env(1, None).to_env()["CKPTRUN_DEBUG"] == "1"
     finally:
         errors.set_debug(False)
+
+
+# --- item 3: object-store commands as the README shows them ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory):
+    from s3_server import start_server
+
+    server = start_server(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+def _no_endpoint_env(server) -> dict[str, str]:
+    """Credentials in the environment as usual, but no endpoint: it must come from --storage-option or run.json."""
+    import os
+
+    env = {**os.environ, **server.env}
+    for key in ("AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL"):
+        env.pop(key)
+    return env
+
+
+def _publish_to_store(url: str, endpoint: str, scratch: Path, step: int = 5) -> None:
+    """A snapshot committed through the store's own write path (files, then the manifest)."""
+    from snapshot_factory import RUN_ID, make_snapshot
+
+    from ckptrun.runtime.manifest import read_manifest
+    from ckptrun.runtime.storage.ckpt_url import parse
+    from ckptrun.runtime.storage.remote_store import FsspecStore
+
+    local = make_snapshot(scratch, step)
+    store = FsspecStore(parse(url), {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}, RUN_ID)
+    handle = store.open_new(step)
+    manifest = read_manifest(local)
+    for entry in manifest.files:
+        with store.open_write(handle, entry.path) as stream:
+            stream.write((local / entry.path).read_bytes())
+    store.publish(handle, manifest)
+
+
+def test_verify_takes_storage_options_and_a_store_runs_dir_resolves_to_its_store(tmp_path: Path, moto) -> None:
+    import subprocess
+    import sys
+
+    from snapshot_factory import RUN_ID
+
+    from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, write_run_record
+
+    url = f"s3://{moto.new_bucket()}/ckpt"
+    _publish_to_store(url, moto.endpoint, tmp_path / "local")
+    env = _no_endpoint_env(moto)
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ckptrun.cli.main", *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    by_url = cli("verify", url, "--storage-option", f"endpoint_url={moto.endpoint}", "--json")
+    assert by_url.returncode == 0, by_url.stderr
+    assert [s["step"] for s in json.loads(by_url.stdout)["snapshots"]] == [5]
+    run_dir = tmp_path / "runs" / "s3"
+    run_dir.mkdir(parents=True)  # as launch --ckpt-dir URL --storage-option endpoint_url=… leaves it
+    write_run_record(run_dir, RunRecord(run_id=RUN_ID, spec=LaunchSpec(
+        run_dir=run_dir, ckpt_dir=url, store_options=[f"endpoint_url={moto.endpoint}"])))
+    by_run = cli("verify", "runs/s3", "--json")
+    assert by_run.returncode == 0, by_run.stderr
+    assert json.loads(by_run.stdout)["path"] == url and f"verifying {url}" in by_run.stderr
+    assert cli("estimate-rto", url, "--storage-option", f"endpoint_url={moto.endpoint}", "--json").returncode == 0
+    local = cli("verify", "local", "--storage-option", "endpoint_url=http://x")
+    assert (local.returncode, local.stderr.splitlines()) == (2, [
+        "error: --storage-option applies to an object store; local holds local snapshots",
+        "hint: drop --storage-option, or pass the store's URL (s3://…)"])
