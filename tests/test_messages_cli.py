@@ -219,3 +219,48 @@ def test_verify_takes_storage_options_and_a_store_runs_dir_resolves_to_its_store
     assert (local.returncode, local.stderr.splitlines()) == (2, [
         "error: --storage-option applies to an object store; local holds local snapshots",
         "hint: drop --storage-option, or pass the store's URL (s3://…)"])
+
+
+# --- item 7: small state without a class -------------------------------------------------------------
+
+PLAIN_STATE = """import json, sys
+import torch
+import ckptrun.runtime as ckr
+
+run = ckr.init()
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+best_val = ckr.Value(float("inf"))
+counters = {"seen": 0, "worst": None, "history": []}
+run.track(model=model, optimizer=optimizer, best_val=best_val, counters=counters)
+start = run.restore()
+if sys.argv[1] == "train":
+    for step in range(3):
+        loss = run.train_step([torch.ones(4, 2) * (step + 1)], forward=lambda batch: model(batch).pow(2).mean())
+        best_val.value = min(best_val.value, loss)
+        counters["seen"] += 1
+        counters["history"].append(round(loss, 6))
+    run.finish()
+print(json.dumps({"start": start, "best": best_val.value, "counters": counters}))
+"""
+
+
+def test_a_plain_value_and_a_dict_are_tracked_and_restored(tmp_path: Path) -> None:
+    from workers import run_job
+
+    from ckptrun.runtime.checkpoint.plain_state import Value, trackable
+
+    script = tmp_path / "plain_state.py"
+    script.write_text(PLAIN_STATE)
+    trained = run_job(tmp_path / "run", script=script, args=("train",), precision="fp32")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    before = json.loads(trained.stdout.splitlines()[-1])
+    restored = run_job(tmp_path / "run", script=script, args=("show",), precision="fp32", attempt=2)
+    assert restored.returncode == 0, restored.stderr[-3000:]
+    after = json.loads(restored.stdout.splitlines()[-1])
+    assert (before["start"], after["start"]) == (0, 3)
+    assert after["best"] == before["best"] < float("inf") and after["counters"] == before["counters"]
+    assert after["counters"]["seen"] == 3 and len(after["counters"]["history"]) == 3
+    with pytest.raises(TypeError, match=r"track\(bad=\.\.\.\): Object of type object is not JSON serializable"):
+        trackable("bad", {"x": object()}).state_dict()
+    assert Value(float("inf")).state_dict() == {"value": float("inf")}
