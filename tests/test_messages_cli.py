@@ -264,3 +264,31 @@ def test_a_plain_value_and_a_dict_are_tracked_and_restored(tmp_path: Path) -> No
     with pytest.raises(TypeError, match=r"track\(bad=\.\.\.\): Object of type object is not JSON serializable"):
         trackable("bad", {"x": object()}).state_dict()
     assert Value(float("inf")).state_dict() == {"value": float("inf")}
+
+
+# --- item 5: leftovers and stale words ---------------------------------------------------------------
+
+
+def test_estimate_rto_leaves_nothing_in_the_current_directory(tmp_path: Path) -> None:
+    from snapshot_factory import make_snapshot
+
+    make_snapshot(tmp_path / "ck", 5)
+    result = ckptrun("estimate-rto", "ck", "--json", cwd=tmp_path, timeout=240)  # times a real no-op relaunch
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["components"]["teardown"]["source"] == "measured"  # the no-op launch ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_stop_of_a_completed_run_does_not_offer_to_continue_it(tmp_path: Path) -> None:
+    _finished_run(tmp_path, "done", created=1_000.0)
+    result = ckptrun("stop", "runs/done", cwd=tmp_path, timeout=60)
+    assert (result.returncode, result.stderr.splitlines()) == (2, [
+        "error: no supervisor is running runs/done on this host",
+        "hint: nothing to stop: the run completed (`ckptrun status runs/done` shows it)"])
+
+
+def test_export_refuses_a_file_as_its_directory_before_reading_anything(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("")
+    result = ckptrun("export", "nowhere", "-o", "taken/model.pt", cwd=tmp_path, timeout=60)
+    assert (result.returncode, result.stderr.splitlines()) == (2, [
+        "error: -o taken/model.pt: taken is a file, not a directory", "hint: pass a path inside a directory"])

@@ -61,6 +61,7 @@ def export(
     report = verified_snapshot(snapshot, storage_option)
     name = "ema" if ema else "model"
     state = read_weights(report.path, name)
+    output.parent.mkdir(parents=True, exist_ok=True)
     size = write_state_dict(state, output, kind, {"snapshot": str(report.path), "step": str(report.step), "object": name})
     print(f"ckptrun: exported {len(state)} tensors ({human_bytes(size)}) of {name} from {report.path.name} "
           f"(step {report.step}, verified) to {output}", file=sys.stderr)
@@ -83,9 +84,10 @@ def output_format(output: Path) -> str:
         except ImportError:
             raise CkptrunError("writing .safetensors needs the safetensors package",
                                "pip install 'ckptrun[export]' (or write a .pt file)") from None
-    if not output.parent.is_dir():
-        raise CkptrunError(f"-o {output}: directory {output.parent} does not exist", "create it first")
-    return kind
+    taken = next((p for p in [output.parent, *output.parent.parents] if p.exists()), None)
+    if taken is not None and not taken.is_dir():
+        raise CkptrunError(f"-o {output}: {taken} is a file, not a directory", "pass a path inside a directory")
+    return kind  # a missing directory is created once the weights are read (as report -o and init do)
 
 
 # --- which snapshot ---------------------------------------------------------------------

@@ -209,7 +209,7 @@ def stop(
     # one node: its supervisor; many nodes: the launchers on this host (any node may ask, every node stops)
     here = [who] if (who := holder(paths)) else [h for h in node_holders(paths.root).values() if h["alive"]]
     if not here:
-        raise CkptrunError(f"no supervisor is running {run_dir} on this host", f"nothing to stop; `ckptrun resume --latest --run-dir {run_dir}` continues it", EXIT_REFUSED)
+        raise CkptrunError(f"no supervisor is running {run_dir} on this host", _nothing_to_stop(paths), EXIT_REFUSED)
     paths.stop_file.touch()
     what = ("this script does not use ckptrun.runtime, so it cannot be asked to save: its ranks get SIGTERM"
             if records.read_events(paths.root, "plain_script") else "ranks save at the next step boundary")
@@ -220,6 +220,15 @@ def stop(
     for who in here[1:]:
         _wait_for_exit(int(who["pid"]), float(who["start_time"]), paths, max(0.0, deadline - time.monotonic()), quiet=True)
     return _wait_for_exit(int(here[0]["pid"]), float(here[0]["start_time"]), paths, max(0.0, deadline - time.monotonic()))
+
+
+def _nothing_to_stop(paths: RunPaths) -> str:
+    """The hint for a run no supervisor runs: a completed run has nothing to continue; any other resumes."""
+    from ckptrun.cli.commands.status_facts import run_state
+
+    if run_state(records.read_events(paths.root), alive=False) == "completed":
+        return f"nothing to stop: the run completed (`ckptrun status {paths.root}` shows it)"
+    return f"nothing to stop; `ckptrun resume --latest --run-dir {paths.root}` continues it"
 
 
 def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float, quiet: bool = False) -> int:
