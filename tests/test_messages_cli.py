@@ -292,3 +292,38 @@ def test_export_refuses_a_file_as_its_directory_before_reading_anything(tmp_path
     result = ckptrun("export", "nowhere", "-o", "taken/model.pt", cwd=tmp_path, timeout=60)
     assert (result.returncode, result.stderr.splitlines()) == (2, [
         "error: -o taken/model.pt: taken is a file, not a directory", "hint: pass a path inside a directory"])
+
+
+# --- item 8: one writer per shared record file on many nodes -----------------------------------------
+
+WRITE_EVENT = """import sys
+from pathlib import Path
+from ckptrun.runtime.records import log_event
+log_event(Path(sys.argv[1]), sys.argv[2], step=int(sys.argv[3]))
+"""
+
+
+def test_only_the_leaders_node_appends_to_the_shared_events_file(tmp_path: Path) -> None:
+    """A rank on node 1 (C1's CKPTRUN_NODE, as its launcher sets it) and node 1's launcher write node-local
+    files; node 0 and a one-node run write events.jsonl; every reader sees the merge in time order."""
+    import os
+    import subprocess
+    import sys
+
+    from ckptrun.runtime.env import variable
+    from ckptrun.runtime.records import NODE_VARIABLE, log_event, read_events, read_jsonl
+
+    assert NODE_VARIABLE == variable("node")
+    run_dir = tmp_path / "run"
+    (tmp_path / "write.py").write_text(WRITE_EVENT)
+    base = {k: v for k, v in os.environ.items() if k != NODE_VARIABLE}
+    for node, name, step in ((None, "single", 1), ("0", "leader_rank", 2), ("1", "node1_rank", 3)):
+        env = base if node is None else {**base, NODE_VARIABLE: node}
+        subprocess.run([sys.executable, str(tmp_path / "write.py"), str(run_dir), name, str(step)], env=env,
+                       check=True, timeout=60)
+    log_event(run_dir, "node1_launcher", writer_node=1, step=4)
+    shared = [r["event"] for r in read_jsonl(run_dir / "events.jsonl")]
+    local = [r["event"] for r in read_jsonl(run_dir / "nodes" / "node-1" / "events.jsonl")]
+    assert (shared, local) == (["single", "leader_rank"], ["node1_rank", "node1_launcher"])
+    assert [r["step"] for r in read_events(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_events(run_dir, "node1_rank")] == [3]
