@@ -327,3 +327,24 @@ def test_only_the_leaders_node_appends_to_the_shared_events_file(tmp_path: Path)
     assert (shared, local) == (["single", "leader_rank"], ["node1_rank", "node1_launcher"])
     assert [r["step"] for r in read_events(run_dir)] == [1, 2, 3, 4]
     assert [r["step"] for r in read_events(run_dir, "node1_rank")] == [3]
+
+
+def test_the_status_line_names_the_snapshot_the_ranks_restored_not_the_one_on_disk(tmp_path: Path) -> None:
+    """A memory-tier restore (step 90) is newer than the durable snapshot the supervisor picked (step 50)."""
+    import io
+
+    from ckptrun.cli.progress import Progress
+    from ckptrun.cli.supervision.rundir import RunPaths
+    from ckptrun.cli.supervision.spec import LaunchSpec
+    from ckptrun.cli.supervision.world import LocalWorld
+    from ckptrun.runtime.records import log_event
+
+    out = io.StringIO()
+    world = LocalWorld(LaunchSpec(), "r", RunPaths(tmp_path), tmp_path / "checkpoints", [], Progress(stream=out),
+                       restored_step=50)
+    world.attempt = 2
+    log_event(tmp_path, "restored", attempt=1, step=10, tier="disk")  # an earlier attempt's: not this one's
+    log_event(tmp_path, "restored", attempt=2, step=90, tier="memory")
+    world.attempt_events("restored")
+    world.show_progress(2, 1, None, {})
+    assert "snapshot 90 |" in out.getvalue(), out.getvalue()

@@ -180,6 +180,8 @@ class LocalWorld:
             self.attempt_log.append(record)
             if record.get("event") == "snapshot_saved":
                 self.snapshot_step = self.attempt_snapshot = record.get("step")
+            elif record.get("event") == "restored" and record.get("attempt") == self.attempt:
+                self.snapshot_step = record.get("step")  # what the ranks restored: a memory-tier one may be newer
             elif record.get("event") == "cadence" and not self.cadence_told:
                 self.cadence_told = True
                 self.say(f"save cadence: a snapshot every {format_duration(record.get('interval_s'))} ({record.get('reason')}; "
