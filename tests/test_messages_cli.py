@@ -348,3 +348,15 @@ def test_the_status_line_names_the_snapshot_the_ranks_restored_not_the_one_on_di
     world.attempt_events("restored")
     world.show_progress(2, 1, None, {})
     assert "snapshot 90 |" in out.getvalue(), out.getvalue()
+
+
+def test_a_plain_scripts_start_up_does_not_show_the_runtimes_cadence(tmp_path: Path) -> None:
+    from ckptrun.cli.supervision.runner import snapshot_line
+    from ckptrun.cli.supervision.spec import LaunchSpec
+
+    (tmp_path / "plain.py").write_text("import torch\nprint('training')\n")
+    (tmp_path / "adopted.py").write_text("def main():\n    import ckptrun.runtime as ckr\n    ckr.init()\n")
+    assert snapshot_line(LaunchSpec(script=tmp_path / "plain.py")) == (
+        "snapshots: none by ckptrun (the script does not use ckptrun.runtime; a restart resumes from its own files)")
+    for script in (tmp_path / "adopted.py", None):  # None: the embedded default job
+        assert snapshot_line(LaunchSpec(script=script, save_every_steps=5)) == "snapshots: every 5 steps"

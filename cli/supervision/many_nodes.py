@@ -33,7 +33,7 @@ from ckptrun.cli.supervision.observation import Snapshot, StopControl
 from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
 from ckptrun.cli.supervision.recovery import RecoveryOptions
 from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock
-from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _refuse_used_store, _report, _stop_signals, cadence,
+from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _refuse_used_store, _report, _stop_signals, snapshot_line,
                                             ckpt_dir_of)
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.supervision.world import Estimator
@@ -207,7 +207,7 @@ def _supervise(record: RunRecord, paths: NodePaths, settings: NodeSettings, job:
         paths.stop_file.unlink(missing_ok=True)
     role = "leader" if settings.leader else f"node {settings.node_rank} of {settings.max_nodes}"
     progress.say(f"run {record.run_id} in {paths.root} as {role} (logs: {paths.logs})")
-    progress.say(f"snapshots (scripts that use ckptrun.runtime): {cadence(spec)}")
+    progress.say(snapshot_line(spec))
     with _stop_signals(stop, spec.stop_signal):
         try:
             outcome = supervisor.supervise()

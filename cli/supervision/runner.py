@@ -228,7 +228,7 @@ def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume
     supervisor.plain_seen = bool(records.read_events(paths.root, "plain_script"))  # known from an earlier attempt
     paths.stop_file.unlink(missing_ok=True)
     progress.say(f"run {record.run_id} in {paths.root} (logs: {paths.logs})")
-    progress.say(f"snapshots (scripts that use ckptrun.runtime): {cadence(spec)}")
+    progress.say(snapshot_line(spec))
     with _stop_signals(stop, spec.stop_signal):
         try:
             outcome = supervisor.supervise()
@@ -237,6 +237,20 @@ def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume
             paths.stop_file.unlink(missing_ok=True)
             progress.close()
     return _report(outcome, record, paths, progress, as_json)
+
+
+def snapshot_line(spec: LaunchSpec) -> str:
+    """The start-up line on snapshots: the cadence, or, for a script that never imports ckptrun.runtime (read
+    from its code, as the bootstrap reads it), that ckptrun saves nothing for it."""
+    from ckptrun.runtime.worker.bootstrap import names_runtime
+
+    try:
+        plain = spec.script is not None and not names_runtime(compile(spec.script.read_bytes(), str(spec.script), "exec"))
+    except (OSError, SyntaxError, ValueError):
+        plain = False  # the first attempt says what is wrong with it
+    if plain:
+        return "snapshots: none by ckptrun (the script does not use ckptrun.runtime; a restart resumes from its own files)"
+    return f"snapshots: {cadence(spec)}"
 
 
 def cadence(spec: LaunchSpec) -> str:
