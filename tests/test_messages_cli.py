@@ -79,6 +79,7 @@ def _finished_run(cwd: Path, name: str, created: float) -> Path:
     return run_dir
 
 
+@pytest.mark.timeout(300)
 def test_a_bare_resume_picks_the_newest_run_by_start_even_after_reading_an_older_one(tmp_path: Path) -> None:
     old = _finished_run(tmp_path, "old", created=1_000.0)
     _finished_run(tmp_path, "new", created=2_000.0)
@@ -107,6 +108,7 @@ USER_TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line
                   "ValueError: bad batch at step 0"]
 
 
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("entry", [["ckptrun.runtime.worker.bootstrap"], ["ckptrun.runtime.worker.warm_start", "pids"]],
                          ids=["cold", "warm"])
 def test_a_script_traceback_starts_at_the_script_and_debug_keeps_ours(tmp_path: Path, entry: list[str]) -> None:
@@ -188,6 +190,7 @@ def _publish_to_store(url: str, endpoint: str, scratch: Path, step: int = 5) -> 
     store.publish(handle, manifest)
 
 
+@pytest.mark.timeout(400)
 def test_verify_takes_storage_options_and_a_store_runs_dir_resolves_to_its_store(tmp_path: Path, moto) -> None:
     import subprocess
     import sys
@@ -245,6 +248,7 @@ print(json.dumps({"start": start, "best": best_val.value, "counters": counters})
 """
 
 
+@pytest.mark.timeout(400)
 def test_a_plain_value_and_a_dict_are_tracked_and_restored(tmp_path: Path) -> None:
     from workers import run_job
 
@@ -269,6 +273,7 @@ def test_a_plain_value_and_a_dict_are_tracked_and_restored(tmp_path: Path) -> No
 # --- item 5: leftovers and stale words ---------------------------------------------------------------
 
 
+@pytest.mark.timeout(400)
 def test_estimate_rto_leaves_nothing_in_the_current_directory(tmp_path: Path) -> None:
     from snapshot_factory import make_snapshot
 
