@@ -120,6 +120,11 @@ def set_debug(enabled: bool) -> None:
     _debug = enabled
 
 
+def debug_enabled() -> bool:
+    """Whether ``ckptrun --debug`` was given (the workers keep ckptrun's frames in a script's traceback)."""
+    return _debug
+
+
 F = TypeVar("F", bound=Callable[..., "int | None"])
 
 

@@ -10,8 +10,10 @@ things inside the function that needs them.
 
 from __future__ import annotations
 
+import sys
+
 import typer
-from typer._click.exceptions import ClickException, NoSuchOption  # typer vendors click
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption, UsageError  # typer vendors click
 
 from ckptrun.cli import errors
 from ckptrun.cli.lazy_commands import LazyCommand, LazyGroup
@@ -29,7 +31,7 @@ class Commands(LazyGroup):
                               context="ckptrun.cli.commands.launch:LAUNCH_CONTEXT", metavar=SCRIPT_USAGE),
         "resume": LazyCommand("ckptrun.cli.commands.launch", "resume", "Continue a stopped, failed or preempted run from its "
                               "newest verified snapshot, with its run.json spec.",
-                              context="ckptrun.cli.commands.launch:RESUME_CONTEXT", metavar="[OPTIONS] [-- SCRIPT_ARGS...]"),
+                              context="ckptrun.cli.commands.launch:RESUME_CONTEXT", metavar="[OPTIONS] [RUN_DIR] [-- SCRIPT_ARGS...]"),
         "stop": LazyCommand("ckptrun.cli.commands.launch", "stop", "Ask a running launch to save a snapshot at the next step "
                             "boundary and exit 3 (resumable)."),
         "preflight": LazyCommand("ckptrun.cli.commands.preflight", "preflight", "Before a long run: prove SCRIPT learns, "
@@ -88,21 +90,38 @@ def root(
 def main() -> None:
     """Console-script entry point (``ckptrun = ckptrun.cli.main:main``).
 
-    click's own usage errors are shown as click shows them, except an unknown option, which gets the
-    ``error:``/``hint:`` form every other refusal has (with click's did-you-mean, difflib over the
-    command's options): a typo must read as a refusal, exit 2, before anything runs.
+    Every parse error of every command (an unknown command or option, a bad value, a missing argument)
+    is a refusal in the ``error:``/``hint:`` form every other refusal has, exit 2, before anything runs:
+    click's own "Usage / Try / Error" block never shows; its did-you-mean moves into the hint.
     """
     try:
         code = app(prog_name="ckptrun", standalone_mode=False)
-    except NoSuchOption as exc:
-        code = errors.report_error(unknown_option(exc))
-    except ClickException as exc:
-        exc.show()
+    except NoArgsIsHelpError as exc:
+        exc.show()  # a bare `ckptrun` / `ckptrun CMD` without its arguments: the help is the answer
         code = exc.exit_code
+    except UsageError as exc:
+        code = errors.report_error(unknown_option(exc) if isinstance(exc, NoSuchOption) else usage_error(exc))
+    except ClickException as exc:
+        code = errors.report_error(errors.CkptrunError(exc.format_message(), None, exc.exit_code))
     except typer.Abort:
         typer.echo("Aborted!", err=True)
         code = errors.EXIT_NO
     raise SystemExit(code or errors.EXIT_OK)
+
+
+def usage_error(exc: UsageError) -> errors.CkptrunError:
+    """click's message as the error, its did-you-mean (typer's, difflib over the names) as the hint."""
+    command = exc.ctx.command_path if exc.ctx else command_named_in(sys.argv[1:])
+    message, _, guess = exc.format_message().partition(" Did you mean ")
+    hint = f"did you mean {guess} " if guess else ""
+    return errors.CkptrunError(message, f"{hint}see `{command} --help`", errors.EXIT_REFUSED)
+
+
+def command_named_in(argv: list[str]) -> str:
+    """``ckptrun CMD`` for the first word of ``argv`` that is a command (click's parser errors carry no
+    context), else ``ckptrun``."""
+    name = next((word for word in argv if not word.startswith("-")), None)
+    return f"ckptrun {name}" if name in Commands.table else "ckptrun"
 
 
 def unknown_option(exc: NoSuchOption) -> errors.CkptrunError:

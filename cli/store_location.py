@@ -120,21 +120,47 @@ def local_dir(store_url: str | None, cache_dir: Path | None, ckpt_dir: Path | No
     return ckpt_dir if ckpt_dir is not None else run_dir / "checkpoints"
 
 
-def store_of(spec: Any, run_id: str | None = None) -> FsspecStore | None:
-    """The object store a launch spec names (None for a local run), bound to run ``run_id`` when given."""
+def store_of(spec: Any, run_id: str | None = None, given: dict[str, Any] | None = None) -> FsspecStore | None:
+    """The object store a launch spec names (None for a local run), bound to run ``run_id`` when given;
+    ``given`` (a command's ``--storage-option``) over the spec's options."""
     if spec is None or getattr(spec, "store_url", None) is None:
         return None
-    return open_store(spec.store_url, merge_options(spec.store_options, spec.store_secrets), run_id)
+    stored = merge_options(spec.store_options, spec.store_secrets)
+    return open_store(spec.store_url, merge_options(stored, given or {}), run_id)
 
 
-def store_of_run(run_dir: Path) -> FsspecStore | None:
-    """The object store named by ``RUN_DIR/run.json`` (None when local or unreadable): commands that read a run."""
+def store_of_run(run_dir: Path, given: dict[str, Any] | None = None) -> FsspecStore | None:
+    """The object store named by ``RUN_DIR/run.json``, bound to that run (None when local or unreadable):
+    commands that read a run; ``given`` (``--storage-option``) over the stored options."""
     try:
-        spec = json.loads((run_dir / "run.json").read_text())["spec"]
+        record = json.loads((run_dir / "run.json").read_text())
+        spec = record["spec"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     url = spec.get("store_url") if isinstance(spec, dict) else None
-    return open_store(url, spec.get("store_options") or {}) if url else None
+    options = merge_options(spec.get("store_options") or {}, given or {})
+    return open_store(url, options, record.get("run_id")) if url else None
+
+
+def given_options(items: list[str] | None) -> dict[str, Any]:
+    """A command's ``--storage-option KEY=VALUE`` items as fsspec options (exit 2 on a malformed one)."""
+    try:
+        return parse_storage_options(items or [])
+    except UrlError as exc:
+        raise CkptrunError(str(exc), exc.hint, EXIT_REFUSED) from None
+
+
+def store_at(where: Path | StoreUrl, items: list[str] | None = None) -> FsspecStore | None:
+    """The store a command that takes PATH reads, as ``launch`` would open it: a URL with the given options,
+    or a run directory whose run.json names a store (its own snapshots there); None for local snapshots."""
+    given = given_options(items)
+    if isinstance(where, StoreUrl):
+        return FsspecStore(where, given)
+    remote = store_of_run(where, given) if where.is_dir() else None
+    if remote is None and given:
+        raise CkptrunError(f"{STORAGE_OPTION} applies to an object store; {where} holds local snapshots",
+                           f"drop {STORAGE_OPTION}, or pass the store's URL (s3://…)")
+    return remote
 
 
 def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], None] = lambda _: None) -> Any:

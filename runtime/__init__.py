@@ -15,14 +15,16 @@ if TYPE_CHECKING:
     from ckptrun.runtime.env import RunEnv
     from ckptrun.runtime.step.session import Run
     from ckptrun.runtime.step.startup import init
+    from ckptrun.runtime.checkpoint.plain_state import Value
 
-__all__ = ["DataLoader", "ResumableSampler", "Run", "RunEnv", "init"]
+__all__ = ["DataLoader", "ResumableSampler", "Run", "RunEnv", "Value", "init"]
 
 _HOME = {
     "DataLoader": "ckptrun.runtime.step.data",
     "ResumableSampler": "ckptrun.runtime.step.data",
     "Run": "ckptrun.runtime.step.session",
     "RunEnv": "ckptrun.runtime.env",
+    "Value": "ckptrun.runtime.checkpoint.plain_state",
     "init": "ckptrun.runtime.step.startup",
 }
 

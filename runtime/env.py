@@ -106,6 +106,7 @@ class RunEnv(BaseModel):
     exit_after_restore: bool = Field(False, description="Probe mode (estimate-rto --probe): log the restore timings, exit 0.")
     preflight: Literal["learn", "resume"] | None = Field(None, description="`ckptrun preflight`: learn serves the first batch at every step; resume logs each state's digest per step (runtime.preflight).")
     preflight_steps: int | None = Field(None, ge=1, description="`ckptrun preflight`: run.batches runs exactly this many steps, whatever the script asks.")
+    debug: bool = Field(False, description="`ckptrun --debug`: a script's traceback keeps ckptrun's own frames (bootstrap, runpy) above the script's.")
 
     @field_validator("allow_changes", mode="before")
     @classmethod

@@ -3,7 +3,10 @@
 Several processes append to the same JSONL file, so every append is one
 ``O_APPEND`` write of one whole line (atomic for small writes on a local file
 system), and every reader tolerates a torn last line left by a process killed
-mid-write. Heartbeats are one small file per rank, rewritten in place by its rank
+mid-write. ``O_APPEND`` is atomic on one machine only, not across NFS clients:
+on many nodes a shared file has one writer, the leader's node (node rank 0);
+the others write their events to ``nodes/node-K/events.jsonl`` (their launcher,
+and their ranks by C1's ``CKPTRUN_NODE``), and :func:`read_events` merges them. Heartbeats are one small file per rank, rewritten in place by its rank
 (:class:`HeartbeatFile`); readers skip one caught half written.
 Importable without torch.
 """
@@ -95,17 +98,39 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def log_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
-    """Append an event (``event`` is its type, ``time`` unix seconds) to events.jsonl."""
+NODE_VARIABLE = "CKPTRUN_NODE"  # contract C1's RunEnv.node: the node whose launcher started this rank
+
+
+def events_file(run_dir: Path, writer_node: int | None = None) -> Path:
+    """The events file a writer on ``writer_node`` appends to (default: this process's node from C1): the
+    shared ``events.jsonl`` on the leader's node or a single node, ``nodes/node-K/events.jsonl`` elsewhere."""
+    if writer_node is None:
+        text = os.environ.get(NODE_VARIABLE, "")
+        writer_node = int(text) if text.isdigit() else None
+    return run_dir / EVENTS if not writer_node else run_dir / "nodes" / f"node-{writer_node}" / EVENTS
+
+
+def log_event(run_dir: Path, event: str, *, writer_node: int | None = None, **fields: Any) -> dict[str, Any]:
+    """Append an event (``event`` is its type, ``time`` unix seconds) to this node's events file."""
     record = {"event": event, "time": time.time(), **fields}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    append_jsonl(run_dir / EVENTS, record)
+    path = events_file(run_dir, writer_node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    append_jsonl(path, record)
     return record
 
 
 def read_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The run's events: the shared file, with the other nodes' files merged in by time (one node: just it)."""
     records = read_jsonl(run_dir / EVENTS)
+    others = sorted(run_dir.glob(f"nodes/node-*/{EVENTS}"))
+    if others:
+        records = sorted(records + [r for path in others for r in read_jsonl(path)], key=_event_time)
     return [r for r in records if event is None or r.get("event") == event]
+
+
+def _event_time(record: dict[str, Any]) -> float:
+    value = record.get("time")
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def log_metrics(run_dir: Path, record: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from launch_helpers import CKPTRUN, Cleanup, assert_losses_equal, ckptrun, events, kill_tree, run_id, tail, wait_for
 
-from ckptrun.runtime.records import final_losses
+from ckptrun.runtime.records import final_losses, read_jsonl
 
 pytestmark = pytest.mark.e2e
 QUICK = ["--nproc-per-node", "1", "--heartbeat-timeout", "5", "--startup-timeout", "60", "--restart-backoff", "0.1",
@@ -140,6 +140,9 @@ def test_a_rank_then_the_torchrun_killed_on_node_1_restart_both_nodes_from_one_s
     assert restored >= 5 and restarts[0]["snapshot_step"] == restored < restarts[1]["snapshot_step"], restarts
     assert all(r.get("nodes") == [0, 1] for r in restarts), "a restart's snapshot was not verified by both nodes"
     logs = pair.run_dir / "nodes"
+    shared, node_1 = read_jsonl(pair.run_dir / "events.jsonl"), read_jsonl(logs / "node-1" / "events.jsonl")
+    assert not [r for r in shared if r["event"] == "failure" and r.get("node") == 1], "node 1 appended to the shared file"
+    assert [r for r in node_1 if r["event"] == "failure"] == [f for f in failures if f.get("node") == 1]
     assert all((logs / f"node-{n}" / "logs" / f"attempt-{a}").is_dir() for n in (0, 1) for a in (2, 3))
     rdzv = {p.name.split("_")[0] for node in (0, 1) for p in (logs / f"node-{node}" / "logs").glob("attempt-*/*_*")}
     assert rdzv == {"kill-a1", "kill-a2", "kill-a3"}, rdzv  # a fresh rendezvous id per attempt

@@ -239,3 +239,16 @@ def test_a_resume_at_another_global_batch_is_not_compared() -> None:
     assert not recovery.diverged()
     fields = recovery.restart_fields(1.0)
     assert fields["resume_verdict"] is None and fields["replayed_steps"] == 0, fields
+
+
+def test_a_restart_followed_by_too_few_steps_is_not_judged_on_throughput() -> None:
+    """Issue 28 item 5: a small run's few steps after a restart (warm-up among them) are no throughput verdict."""
+    before = [t * 0.1 for t in range(21)]
+    short = ResumeWatch({}, before, deterministic=True)
+    for position in range(1, 20):  # 19 steps after the restart, the second half ten times slower
+        short.add({"step": position, "time": position * (0.1 if position < 10 else 1.0)})
+    assert short.throughput() is None and not flagged(short.throughput())
+    whole = ResumeWatch({}, before, deterministic=True)
+    for position in range(1, 26):
+        whole.add({"step": position, "time": position * 0.2})
+    assert whole.throughput() == pytest.approx(0.5) and flagged(whole.throughput())

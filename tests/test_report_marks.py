@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptrun.cli.commands.report import RunFacts, draw_loss, draw_throughput, summarize
+from ckptrun.cli.commands.report_data import RunFacts, summarize
+from ckptrun.cli.commands.report_figure import draw_loss, draw_throughput
 from ckptrun.runtime.records import append_jsonl, log_metrics
 
 figure = pytest.importorskip("matplotlib.figure")

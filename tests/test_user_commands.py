@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from ckptrun.cli.commands.export import read_weights
-from ckptrun.cli.commands.status import StepRates, progress, rank_rows, run_state, step_budget
+from ckptrun.cli.commands.status_facts import StepRates, progress, rank_rows, run_state, step_budget
 from ckptrun.cli.main import app
 from ckptrun.cli.supervision.policy import Timeouts
 from ckptrun.cli.supervision.spec import build_spec

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
 from ckptrun.cli.durations import DurationError, format_duration, parse_duration
+from ckptrun.cli.commands.store_flag import storage_option_flag
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_bytes
 from ckptrun.cli.recovery_budget.estimate import build_report, check_budget, find_target
@@ -40,6 +41,7 @@ def estimate_rto(
     probe: bool = typer.Option(False, "--probe", help="Measure the restart for real: the run's script restores the newest snapshot and stops (a bare checkpoint dir: load it, no user code)."),
     nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", min=1, metavar="N", help="World size for probes and the no-op launch. [default: the snapshot's]"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout instead of a table."),
+    storage_option: Optional[list[str]] = storage_option_flag(),
 ) -> int:
     """Estimate the recovery time (RTO) of a run and the cost of a failure, each part with its source.
 
@@ -53,7 +55,7 @@ def estimate_rto(
     mtbf_s, budget_s = _duration("--mtbf", mtbf), _duration("--budget", budget)
     if budget_includes_lost_work and budget_s is None:
         raise CkptrunError("--budget-includes-lost-work needs --budget", "add --budget DURATION (e.g. --budget 5m)")
-    target = find_target(path)
+    target = find_target(path, storage_option)
     world = nproc_per_node or target.manifest.world_size  # another than the snapshot's: the probe reshards
     document = build_report(target, probe, world, mtbf_s)
     verdict = check_budget(document, budget_s, budget_includes_lost_work)

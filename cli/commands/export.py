@@ -21,15 +21,15 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
+from ckptrun.cli.commands.store_flag import storage_option_flag
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_bytes
 from ckptrun.cli.supervision.spec import RUN_JSON
 from ckptrun.runtime import records
 from ckptrun.cli import store_location
-from ckptrun.runtime.storage.ckpt_url import StoreUrl
 from ckptrun.runtime.manifest import MANIFEST_NAME, read_manifest
 from ckptrun.runtime.storage.store import LINEAGE_NAME, list_entries
 from ckptrun.runtime.checkpoint.verify import OK, SnapshotReport, newest_verified, verify_snapshot
@@ -47,6 +47,7 @@ def export(
     output: Path = typer.Option(..., "--output", "-o", metavar="FILE", help="Where to write: FILE.pt (torch.save) or FILE.safetensors."),
     ema: bool = typer.Option(False, "--ema", help="Export the EMA weights (the tracked `ema` AveragedModel) instead of the model's."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (snapshot, step, tensors, bytes, file) on stdout."),
+    storage_option: Optional[list[str]] = storage_option_flag(),
 ) -> int:
     """Write the model (or EMA) weights of a verified snapshot as a plain state_dict file (.pt or .safetensors).
 
@@ -57,9 +58,10 @@ def export(
     Load with: model.load_state_dict(torch.load("model.pt", weights_only=True))
     """
     kind = output_format(output)
-    report = verified_snapshot(snapshot)
+    report = verified_snapshot(snapshot, storage_option)
     name = "ema" if ema else "model"
     state = read_weights(report.path, name)
+    output.parent.mkdir(parents=True, exist_ok=True)
     size = write_state_dict(state, output, kind, {"snapshot": str(report.path), "step": str(report.step), "object": name})
     print(f"ckptrun: exported {len(state)} tensors ({human_bytes(size)}) of {name} from {report.path.name} "
           f"(step {report.step}, verified) to {output}", file=sys.stderr)
@@ -82,21 +84,20 @@ def output_format(output: Path) -> str:
         except ImportError:
             raise CkptrunError("writing .safetensors needs the safetensors package",
                                "pip install 'ckptrun[export]' (or write a .pt file)") from None
-    if not output.parent.is_dir():
-        raise CkptrunError(f"-o {output}: directory {output.parent} does not exist", "create it first")
-    return kind
+    taken = next((p for p in [output.parent, *output.parent.parents] if p.exists()), None)
+    if taken is not None and not taken.is_dir():
+        raise CkptrunError(f"-o {output}: {taken} is a file, not a directory", "pass a path inside a directory")
+    return kind  # a missing directory is created once the weights are read (as report -o and init do)
 
 
 # --- which snapshot ---------------------------------------------------------------------
 
 
-def verified_snapshot(given: str | Path) -> SnapshotReport:
+def verified_snapshot(given: str | Path, storage_option: list[str] | None = None) -> SnapshotReport:
     """The snapshot at ``path`` once it verifies, or the newest verified one of a checkpoint/run directory
     or object store (downloaded with every byte hashed, or its verified local copy)."""
     path = store_location.location(given)
-    remote = store_location.open_store(path.url) if isinstance(path, StoreUrl) else None
-    if isinstance(path, Path) and remote is None and path.is_dir():
-        remote = store_location.store_of_run(path)
+    remote = store_location.store_at(path, storage_option)
     if remote is not None:
         cache = checkpoint_dir(path) if isinstance(path, Path) else None
         choice = store_location.fetch_newest(remote, cache, store_location.say)

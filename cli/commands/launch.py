@@ -17,10 +17,11 @@ from typing import Any, Optional
 
 import typer
 
+from ckptrun.cli.commands.which_run import chosen_run, positional_run_dir, run_dir_argument, run_dir_option
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_REFUSED, CkptrunError, command
 from ckptrun.cli.recovery_budget import rto_launch
 from ckptrun.cli.store_location import redact_argv, resume_options
-from ckptrun.cli.supervision.rundir import RunPaths, alive, holder, latest_run, node_holders
+from ckptrun.cli.supervision.rundir import RunPaths, alive, holder, node_holders
 from ckptrun.cli.supervision.runner import resume_run, start_run
 from ckptrun.cli.supervision.node_env import node_fields, node_settings, resume_settings
 from ckptrun.cli.supervision.memory_tier import refuse_unsupported
@@ -144,14 +145,14 @@ def launch_spec(ctx: typer.Context, config: Optional[Path], standalone: bool, op
     return spec
 
 
-RESUME_CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": False}  # `-- NEW SCRIPT ARGS`
+RESUME_CONTEXT = {"allow_extra_args": True}  # [RUN_DIR] among the options, `-- NEW SCRIPT ARGS` after them
 
 
 @command
 def resume(
     ctx: typer.Context,
     latest: bool = typer.Option(False, "--latest", help="From the newest verified snapshot of the run's lineage (the default)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="The run to continue. [default: the most recent under runs/]", show_default=False),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="The run to continue (or RUN_DIR before `--`). [default: the newest under runs/, by its start time]", show_default=False),
     source: Optional[str] = typer.Option(None, "--from", metavar="STEP_OR_PATH", help="Resume from this snapshot instead; forks the lineage there.", show_default=False),
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="Override the run's restart budget.", show_default=False),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help="Wall-clock budget of this resume.", show_default=False),
@@ -166,10 +167,11 @@ def resume(
 
     Arguments after -- replace the script's stored ones (a config key that changes must be allowed).
     """
+    positional, script_args = positional_run_dir(list(ctx.args), sys.argv)
     if latest and source:
         raise CkptrunError("--latest and --from contradict each other", "pass one of them")
     overrides: dict[str, Any] = {"max_restarts": max_restarts, "allow_changes": allow_change,
-                                 "script_args": list(ctx.args) or None, "allow_reshard": allow_reshard or None}
+                                 "script_args": script_args or None, "allow_reshard": allow_reshard or None}
     if nproc_per_node is not None:
         overrides["nproc_per_node"] = build_spec({"nproc_per_node": nproc_per_node}).nproc_per_node
     if time_limit is not None:
@@ -178,7 +180,7 @@ def resume(
         overrides["allow_changes"] = build_spec({"allow_changes": allow_change}).allow_changes
     if max_restarts is not None:
         build_spec({"max_restarts": max_restarts})
-    run_dir = run_dir or latest_run()
+    run_dir = chosen_run(positional, run_dir)
     spec = read_run_record(run_dir).spec
     if storage_option:
         overrides["store_options"] = resume_options(spec, storage_option)
@@ -194,22 +196,20 @@ def resume(
 
 @command
 def stop(
-    run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help="The run to stop. [default: the most recent under runs/]", show_default=False),
-    run_dir_option: Optional[Path] = typer.Option(None, "--run-dir", help="The same as RUN_DIR (as `resume` takes it).", show_default=False),
+    run_dir: Optional[Path] = run_dir_argument(),
+    run_dir_flag: Optional[Path] = run_dir_option(),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the supervisor has saved and exited."),
     timeout: float = typer.Option(600.0, "--timeout", help="Longest wait in seconds."),
 ) -> int:
     """Ask a running launch to save a snapshot at the next step boundary and exit 3 (resumable)."""
-    if run_dir and run_dir_option and run_dir != run_dir_option:
-        raise CkptrunError(f"two runs to stop: {run_dir} and --run-dir {run_dir_option}", "pass one of them")
-    run_dir = run_dir or run_dir_option or latest_run()
+    run_dir = chosen_run(run_dir, run_dir_flag)
     paths = RunPaths(run_dir)
     if not paths.run_json.exists():
         raise CkptrunError(f"{run_dir} is not a ckptrun run directory", "pass the RUN_DIR that `ckptrun launch` printed")
     # one node: its supervisor; many nodes: the launchers on this host (any node may ask, every node stops)
     here = [who] if (who := holder(paths)) else [h for h in node_holders(paths.root).values() if h["alive"]]
     if not here:
-        raise CkptrunError(f"no supervisor is running {run_dir} on this host", f"nothing to stop; `ckptrun resume --latest --run-dir {run_dir}` continues it", EXIT_REFUSED)
+        raise CkptrunError(f"no supervisor is running {run_dir} on this host", _nothing_to_stop(paths), EXIT_REFUSED)
     paths.stop_file.touch()
     what = ("this script does not use ckptrun.runtime, so it cannot be asked to save: its ranks get SIGTERM"
             if records.read_events(paths.root, "plain_script") else "ranks save at the next step boundary")
@@ -220,6 +220,15 @@ def stop(
     for who in here[1:]:
         _wait_for_exit(int(who["pid"]), float(who["start_time"]), paths, max(0.0, deadline - time.monotonic()), quiet=True)
     return _wait_for_exit(int(here[0]["pid"]), float(here[0]["start_time"]), paths, max(0.0, deadline - time.monotonic()))
+
+
+def _nothing_to_stop(paths: RunPaths) -> str:
+    """The hint for a run no supervisor runs: a completed run has nothing to continue; any other resumes."""
+    from ckptrun.cli.commands.status_facts import run_state
+
+    if run_state(records.read_events(paths.root), alive=False) == "completed":
+        return f"nothing to stop: the run completed (`ckptrun status {paths.root}` shows it)"
+    return f"nothing to stop; `ckptrun resume --latest --run-dir {paths.root}` continues it"
 
 
 def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float, quiet: bool = False) -> int:

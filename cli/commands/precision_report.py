@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import typer
 
+from ckptrun.cli.commands.which_run import chosen_run, run_dir_argument, run_dir_option
 from ckptrun.cli.errors import EXIT_OK, CkptrunError, command
 
 REPORT = "precision.json"
@@ -22,10 +24,14 @@ def _counts(counts: dict[str, int]) -> str:
 
 @command
 def precision_report(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory (holds precision.json)."),
+    run_dir: Optional[Path] = run_dir_argument(),
+    run_dir_flag: Optional[Path] = run_dir_option(),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> int:
     """Show the input, output and accumulation precision per operator class, observed for one real step."""
+    run_dir = chosen_run(run_dir, run_dir_flag)
+    if not run_dir.is_dir():
+        raise CkptrunError(f"{run_dir}: no such run directory", "pass the RUN_DIR that `ckptrun launch` printed (runs/NAME)")
     path = run_dir / REPORT
     try:
         document = json.loads(path.read_text())

@@ -14,46 +14,26 @@ read says ``n/a``. Importable without torch.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
-from collections import deque
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import psutil
 import typer
-from ckptrun.cli.durations import DurationError, format_duration, parse_duration
+from ckptrun.cli.commands.status_facts import StepRates, check_run_dir, collect
+from ckptrun.cli.commands.status_text import render
+from ckptrun.cli.commands.which_run import chosen_run, run_dir_argument, run_dir_option
+from ckptrun.cli.durations import DurationError, parse_duration
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
-from ckptrun.cli.store_location import local_dir, store_of
-from ckptrun.cli.humanize import human_age, human_bytes
-from ckptrun.cli.recovery_budget.rto_history import restart_figure
-from ckptrun.cli.supervision.policy import Timeouts
-from ckptrun.cli.supervision.rundir import RunPaths, holder, latest_run, node_holders
-from ckptrun.cli.supervision.spec import RUN_JSON, LaunchSpec
-from ckptrun.runtime import records
-from ckptrun.runtime.manifest import Manifest
-from ckptrun.runtime.storage.store import LineageError, current_lineage, published
-from ckptrun.runtime.storage.remote_store import FsspecStore
-from ckptrun.runtime.checkpoint.verify import verify_remote, verify_snapshot
 
 WATCH_INTERVAL_S = 2.0
-RATE_WINDOW_S = 60.0  # step rates (stragglers, steps/s) are measured over this much recent time
-STRAGGLER_RATIO = 0.8  # a rank slower than this share of the median rank's step rate is a straggler
-DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0  # when the run has no run.json to say
 CLEAR = "\033[H\033[2J"
-ENDINGS = {"run_completed": "completed", "completed": "completed", "run_stopped": "stopped", "stopped": "stopped",
-           "gave_up": "failed"}
-SESSION_STARTS = ("launch", "resume")
-STEP_FLAGS = ("--steps", "--max-steps", "--total-steps", "--max_steps", "--total_steps")
-STEP_KEYS = ("steps", "max_steps", "total_steps")
-RTO_PARTS = {"detect": "detect_s", "teardown": "teardown_s", "verify": "verify_s", "backoff": "backoff_s",
-             "restart": "relaunch_to_first_step_s"}  # estimate-rto's names for the restart event's fields
 
 
 @command
 def status(
-    run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help="The run. [default: the most recent under runs/]", show_default=False),
+    run_dir: Optional[Path] = run_dir_argument(),
+    run_dir_flag: Optional[Path] = run_dir_option(),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every 2 s in place (on a terminal; otherwise print once). Ctrl-C exits."),
     rto_budget: Optional[str] = typer.Option(None, "--rto-budget", metavar="DURATION", help="Compare the measured RTO with this (e.g. 90s); exit 1 when over."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout (--watch is ignored)."),
@@ -70,7 +50,7 @@ def status(
       ckptrun status runs/demo --watch
       ckptrun status runs/demo --json
     """
-    run_dir = run_dir if run_dir is not None else _latest()
+    run_dir = chosen_run(run_dir, run_dir_flag)
     check_run_dir(run_dir)
     budget = _budget(rto_budget)
     rates = StepRates()
@@ -81,26 +61,11 @@ def status(
     return EXIT_NO if document["rto"]["within_budget"] is False else EXIT_OK
 
 
-def _latest() -> Path:
-    try:
-        return latest_run()
-    except CkptrunError as exc:
-        raise CkptrunError(exc.message, "pass RUN_DIR, or run from the directory that holds runs/") from None
-
-
 def _budget(text: str | None) -> float | None:
     try:
         return None if text is None else parse_duration(text)
     except DurationError as exc:
         raise CkptrunError(f"--rto-budget: {exc}", "pass a duration such as 90s or 5m") from None
-
-
-def check_run_dir(run_dir: Path) -> None:
-    if not run_dir.is_dir():
-        raise CkptrunError(f"{run_dir}: no such run directory", "pass the RUN_DIR that `ckptrun launch` printed")
-    if not any((run_dir / name).exists() for name in (RUN_JSON, records.EVENTS, records.HEARTBEATS)):
-        raise CkptrunError(f"{run_dir} is not a ckptrun run directory (no {RUN_JSON}, events or heartbeats)",
-                           "pass the RUN_DIR that `ckptrun launch` printed (runs/NAME)")
 
 
 def _watch(run_dir: Path, rates: StepRates, budget: float | None) -> int:
@@ -115,322 +80,3 @@ def _watch(run_dir: Path, rates: StepRates, budget: float | None) -> int:
         sys.stdout.write("\n")
         return EXIT_OK
 
-
-# --- per-rank step rates across looks ---------------------------------------------------
-
-
-class StepRates:
-    """(time, step) samples per rank from successive heartbeat reads, kept for the last 60 s."""
-
-    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
-        self.window_s = window_s
-        self.samples: dict[int, deque[tuple[float, int, int]]] = {}
-
-    def add(self, beats: dict[int, records.Heartbeat]) -> None:
-        for rank, beat in beats.items():
-            queue = self.samples.setdefault(rank, deque())
-            if queue and queue[-1][2] != beat.attempt:
-                queue.clear()  # a new attempt starts over
-            if not queue or queue[-1][0] != beat.time:
-                queue.append((beat.time, beat.step, beat.attempt))
-            while queue and queue[-1][0] - queue[0][0] > self.window_s:
-                queue.popleft()
-
-    def rate(self, rank: int) -> float | None:
-        """Steps per second over the window, None until two different heartbeats were seen."""
-        queue = self.samples.get(rank)
-        if not queue or len(queue) < 2 or queue[-1][0] <= queue[0][0]:
-            return None
-        return (queue[-1][1] - queue[0][1]) / (queue[-1][0] - queue[0][0])
-
-    def stragglers(self) -> set[int]:
-        rates = {rank: self.rate(rank) for rank in self.samples}
-        known = [r for r in rates.values() if r is not None]
-        if len(known) < 2:
-            return set()
-        median = statistics.median(known)
-        return {rank for rank, r in rates.items() if r is not None and r < STRAGGLER_RATIO * median}
-
-
-# --- the document -------------------------------------------------------------------------
-
-
-def collect(run_dir: Path, rates: StepRates, budget: float | None = None, now: float | None = None) -> dict[str, Any]:
-    """Everything ``status`` shows, as one JSON-ready document."""
-    now = time.time() if now is None else now
-    spec, run_id = read_spec(run_dir)
-    events, metrics = records.read_events(run_dir), records.read_metrics(run_dir)
-    beats = records.read_heartbeats(run_dir)
-    rates.add(beats)
-    supervisor = holder(RunPaths(run_dir))
-    nodes = node_rows(run_dir)
-    if supervisor is None and nodes:
-        supervisor = next((n for n in nodes if n["node"] == 0 and n["alive"] is not False), None)
-    ranks = rank_rows(beats, rates, timeouts(spec), now)
-    current = attempts(events, beats)
-    place_ranks(ranks, nodes, run_dir, current["attempt"])
-    state = run_state(events, supervisor is not None or any(r["alive"] for r in ranks))
-    for row in ranks:
-        if current["attempt"] is not None and row["attempt"] < current["attempt"]:
-            row["flags"].append(f"from attempt {row['attempt']}")  # its rank has not beaten in this attempt yet
-        elif state in ("running", "recovering") and row["alive"] is False and row["phase"] not in ("done", "stopping"):
-            row["flags"].append("dead")
-    snapshot, manifest = last_snapshot(ckpt_dir_of(spec, run_dir), now, store_of(spec))
-    return {
-        "run_dir": str(run_dir), "run_id": run_id, "state": state, "time": now,
-        "supervisor_pid": supervisor["pid"] if supervisor else None,
-        "nodes": nodes,
-        **current,
-        "progress": progress(metrics, step_budget(spec, manifest), state),
-        "ranks": ranks,
-        "plain_script": any(e.get("event") == "plain_script" for e in events),
-        "snapshot": snapshot,
-        "rto": rto(events, budget),
-    }
-
-
-def read_spec(run_dir: Path) -> tuple[LaunchSpec | None, str | None]:
-    """run.json's spec and run id; a run without one (plain torchrun) has neither."""
-    try:
-        data = json.loads((run_dir / RUN_JSON).read_text())
-        return LaunchSpec.model_validate(data["spec"]), data.get("run_id")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, None
-
-
-def ckpt_dir_of(spec: LaunchSpec | None, run_dir: Path) -> Path:
-    if spec is None:
-        return run_dir / "checkpoints"
-    return local_dir(spec.store_url, spec.cache_dir, spec.ckpt_dir, run_dir)
-
-
-def timeouts(spec: LaunchSpec | None) -> Timeouts:
-    if spec is None:
-        return Timeouts(heartbeat=DEFAULT_HEARTBEAT_TIMEOUT_S)
-    return Timeouts(heartbeat=spec.heartbeat_timeout, startup=spec.startup_timeout, save=spec.save_timeout)
-
-
-def run_state(events: list[dict[str, Any]], alive: bool) -> str:
-    """running (recovering: between a failure and the next attempt), or how the latest launch/resume ended:
-    completed, stopped, failed, or not running (the supervisor left no word)."""
-    if alive:
-        phases = [e.get("event") for e in events if e.get("event") in ("failure", "attempt_start")]
-        return "recovering" if phases and phases[-1] == "failure" else "running"
-    state = "not running"
-    for event in events:
-        name = event.get("event")
-        if name in SESSION_STARTS:
-            state = "not running"
-        elif name in ENDINGS:
-            state = ENDINGS[name]
-    return state
-
-
-def attempts(events: list[dict[str, Any]], beats: dict[int, records.Heartbeat]) -> dict[str, Any]:
-    """The current attempt, restarts (relaunches after a failure) and failures, over the run's whole life."""
-    starts = [e for e in events if e.get("event") == "attempt_start"]
-    attempt = int(starts[-1].get("attempt", 1)) if starts else max((b.attempt for b in beats.values()), default=None)
-    return {"attempt": attempt,
-            "restarts": sum(1 for e in starts if (e.get("restarts") or 0) > 0),
-            "failures": sum(1 for e in events if e.get("event") == "failure")}
-
-
-def rank_rows(beats: dict[int, records.Heartbeat], rates: StepRates, limits: Timeouts, now: float) -> list[dict[str, Any]]:
-    stragglers = rates.stragglers()
-    rows = []
-    for rank, beat in sorted(beats.items()):
-        alive = pid_alive(beat.pid, beat.time)
-        age = now - beat.time
-        allowance = limits.allowance(beat)
-        flags = ["stale"] if alive and allowance is not None and age > allowance else []
-        if rank in stragglers:
-            flags.append("straggler")
-        rows.append({"rank": rank, "pid": beat.pid, "alive": alive, "attempt": beat.attempt, "phase": beat.phase,
-                     "step": beat.step, "heartbeat_age_s": age, "stale_after_s": allowance,
-                     "steps_per_s": rates.rate(rank), "flags": flags})
-    return rows
-
-
-def node_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """A many-node run's launchers (none for one node): node rank, pid, host, alive (None: another host)."""
-    return [{"node": node, "pid": info.get("pid"), "host": info.get("host"), "alive": info["alive"]}
-            for node, info in sorted(node_holders(run_dir).items())]
-
-
-def place_ranks(ranks: list[dict[str, Any]], nodes: list[dict[str, Any]], run_dir: Path, attempt: int | None) -> None:
-    """Each rank's node (``nodes/node-K/ranks.json``, written by that node's launcher per attempt); a rank on
-    another host cannot be checked for life here (``alive`` None), only by its heartbeat's age."""
-    if not nodes:
-        return
-    where = {}
-    for path in run_dir.glob("nodes/node-*/ranks.json"):
-        try:
-            placed = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        where.update({int(rank): int(path.parent.name.removeprefix("node-")) for rank in placed.get("ranks", [])})
-    hosts = {n["node"]: n["alive"] is not None for n in nodes}
-    for row in ranks:
-        row["node"] = where.get(row["rank"])
-        if row["node"] is not None and not hosts.get(row["node"], True):
-            row["alive"] = None
-
-
-def pid_alive(pid: int, beat_time: float) -> bool:
-    """The process that wrote a heartbeat at ``beat_time`` still runs (a newer process with its pid does not count)."""
-    try:
-        process = psutil.Process(pid)
-        return process.create_time() <= beat_time + 1.0 and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def last_snapshot(ckpt_dir: Path, now: float, remote: FsspecStore | None = None) -> tuple[dict[str, Any] | None, Manifest | None]:
-    """The newest published snapshot of the current lineage, with a quick size check (no hashing);
-    for a store run, the newest committed one of the store's line (sizes from its listing)."""
-    if remote is not None:
-        return _store_snapshot(remote, now)
-    try:
-        chain = current_lineage(ckpt_dir)
-    except LineageError:
-        chain = published(ckpt_dir)
-    if not chain:
-        return None, None
-    entry, manifest = max(chain, key=lambda pair: pair[0].step)
-    return _snapshot_facts(entry.path, manifest, now), manifest
-
-
-def _store_snapshot(remote: FsspecStore, now: float) -> tuple[dict[str, Any] | None, Manifest | None]:
-    try:
-        prefixes = remote.prefixes()
-        line = remote.line(prefixes)
-    except Exception as exc:  # noqa: BLE001 - status reports an unreachable store, it does not fail on it
-        return {"path": remote.where, "step": None, "verified": False, "check": "listing", "problems": [f"{type(exc).__name__}: {exc}"]}, None
-    if not line:
-        return None, None
-    check = verify_remote(remote, line[-1].name, quick=True, prefixes=prefixes)
-    manifest = line[-1].manifest
-    return {"path": line[-1].where, "step": manifest.step, "bytes": manifest.total_bytes, "created": manifest.created,
-            "age_s": now - manifest.created, "verified": check.ok, "check": "sizes", "problems": check.problems}, manifest
-
-
-def _snapshot_facts(path: Path, manifest: Manifest, now: float) -> dict[str, Any]:
-    check = verify_snapshot(path, quick=True)
-    return {"path": str(path), "step": manifest.step, "bytes": manifest.total_bytes, "created": manifest.created,
-            "age_s": now - manifest.created, "verified": check.ok, "check": "sizes", "problems": check.problems}
-
-
-def step_budget(spec: LaunchSpec | None, manifest: Manifest | None) -> int | None:
-    """Total optimizer steps: the script's --steps argument, else the config the last snapshot recorded."""
-    args = spec.script_args if spec is not None else []
-    for index, arg in enumerate(args):
-        name, _, value = arg.partition("=")
-        if name in STEP_FLAGS:
-            value = value or (args[index + 1] if index + 1 < len(args) else "")
-            if value.isdigit():
-                return int(value)
-    config = manifest.config if manifest is not None else {}
-    return next((int(config[k]) for k in STEP_KEYS if isinstance(config.get(k), int)), None)
-
-
-def progress(metrics: list[dict[str, Any]], total: int | None, state: str) -> dict[str, Any]:
-    """Step, loss, steps/s over the last minute of the latest attempt, and the ETA while running."""
-    steps = [m for m in metrics if isinstance(m.get("step"), int) and isinstance(m.get("time"), (int, float))]
-    if not steps:
-        return {"step": None, "total_steps": total, "loss": None, "steps_per_s": None, "samples_per_s": None, "eta_s": None}
-    last = steps[-1]
-    recent = [m for m in steps if m.get("attempt") == last.get("attempt") and last["time"] - m["time"] <= RATE_WINDOW_S]
-    span = recent[-1]["time"] - recent[0]["time"]
-    rate = (recent[-1]["step"] - recent[0]["step"]) / span if span > 0 else None
-    samples = [m["samples_per_s"] for m in recent if isinstance(m.get("samples_per_s"), (int, float))]
-    eta = (total - last["step"]) / rate if state == "running" and total and rate else None
-    return {"step": last["step"], "total_steps": total, "loss": last.get("loss"), "steps_per_s": rate,
-            "samples_per_s": statistics.median(samples) if samples else None, "eta_s": eta}
-
-
-def rto(events: list[dict[str, Any]], budget: float | None) -> dict[str, Any]:
-    """The RTO past restarts measured (medians), and the budget verdict when one was given."""
-    restarts = [e for e in events if e.get("event") == "restart"]
-    value, count = restart_figure(restarts, "rto_s")
-    parts = {name: restart_figure(restarts, key)[0] for name, key in RTO_PARTS.items()}
-    return {"rto_s": value, "restarts_measured": count, "components_s": parts, "budget_s": budget,
-            "within_budget": None if budget is None or value is None else value <= budget}
-
-
-# --- text -----------------------------------------------------------------------------------
-
-
-def render(doc: dict[str, Any]) -> str:
-    lines = [f"run       {doc['run_dir']}" + (f" ({doc['run_id']})" if doc["run_id"] else ""),
-             f"state     {_state_words(doc)}",
-             f"progress  {_progress_words(doc['progress'])}",
-             f"snapshot  {_snapshot_words(doc['snapshot'], doc['plain_script'])}",
-             f"RTO       {_rto_words(doc['rto'])}", ""]
-    if doc.get("nodes"):
-        lines[2:2] = [f"nodes     {_node_words(doc['nodes'])}"]
-    return "\n".join(lines + _rank_table(doc["ranks"]))
-
-
-def _node_words(nodes: list[dict[str, Any]]) -> str:
-    life = {True: "running", False: "gone", None: "elsewhere"}
-    return " · ".join(f"node {n['node']}{' (leader)' if n['node'] == 0 else ''} pid {n['pid']} on {n['host']}: "
-                      f"{life[n['alive']]}" for n in nodes)
-
-
-def _state_words(doc: dict[str, Any]) -> str:
-    words = [doc["state"] + (f" (supervisor pid {doc['supervisor_pid']})" if doc["supervisor_pid"] else "")]
-    if doc["attempt"] is not None:
-        words.append(f"attempt {doc['attempt']}")
-    words.append(f"{doc['restarts']} restart(s), {doc['failures']} failure(s)")
-    return " · ".join(words)
-
-
-def _progress_words(p: dict[str, Any]) -> str:
-    if p["step"] is None:
-        return "no step yet"
-    words = [f"step {p['step']}" + (f"/{p['total_steps']}" if p["total_steps"] else "")]
-    if p["loss"] is not None:
-        words.append(f"loss {p['loss']:.4f}")
-    if p["steps_per_s"] is not None:
-        words.append(f"{p['steps_per_s']:.2f} steps/s")
-    if p["samples_per_s"] is not None:
-        words.append(f"{p['samples_per_s']:,.0f} samples/s")
-    if p["eta_s"] is not None:
-        words.append(f"ETA {format_duration(p['eta_s'])}")
-    return " · ".join(words)
-
-
-def _snapshot_words(s: dict[str, Any] | None, plain: bool) -> str:
-    if s is None and plain:
-        return "none (the script does not use ckptrun.runtime: after a failure it resumes from its own files)"
-    if s is None:
-        return "none yet (a failure now restarts from the beginning)"
-    check = "sizes ok" if s["verified"] else f"FAILS the size check ({'; '.join(s['problems'][:2])})"
-    return (f"step {s['step']} · {human_age(s['age_s'])} ago · {human_bytes(s['bytes'])} · {check} "
-            "(quick check; `ckptrun verify` hashes every byte)")
-
-
-def _rto_words(r: dict[str, Any]) -> str:
-    if r["rto_s"] is None:
-        text = "not measured yet (no restart); `ckptrun estimate-rto RUN_DIR` estimates it"
-    else:
-        parts = " + ".join(f"{name} {format_duration(v)}" for name, v in r["components_s"].items() if v is not None)
-        text = f"{format_duration(r['rto_s'])}, median of {r['restarts_measured']} restart(s)" + (f": {parts}" if parts else "")
-    if r["budget_s"] is not None:
-        verdict = {None: "unknown", True: "within", False: "OVER"}[r["within_budget"]]
-        text += f" · budget {format_duration(r['budget_s'])}: {verdict}"
-    return text
-
-
-def _rank_table(ranks: list[dict[str, Any]]) -> list[str]:
-    if not ranks:
-        return ["no heartbeats yet (ranks starting; a script without ckptrun.runtime beats from its first optimizer step)"]
-    many = any("node" in r for r in ranks)
-    rows = [("RANK", *(("NODE",) if many else ()), "PID", "ALIVE", "PHASE", "STEP", "HEARTBEAT", "STEPS/S", "FLAGS")]
-    for r in ranks:
-        rate = "n/a" if r["steps_per_s"] is None else f"{r['steps_per_s']:.2f}"
-        node = (str(r["node"]) if r.get("node") is not None else "?",) if many else ()
-        rows.append((str(r["rank"]), *node, str(r["pid"]), {True: "yes", False: "no", None: "?"}[r["alive"]], r["phase"],
-                     str(r["step"]), f"{human_age(r['heartbeat_age_s'])} ago", rate, ",".join(r["flags"]) or "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]

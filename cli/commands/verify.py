@@ -21,14 +21,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import typer
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_age, human_bytes
-from ckptrun.cli.store_location import location
-from ckptrun.runtime.storage.ckpt_url import StoreUrl
+from ckptrun.cli.commands.store_flag import storage_option_flag
+from ckptrun.cli.store_location import location, store_at
 from ckptrun.runtime.storage.remote_store import FsspecStore
 from ckptrun.runtime.storage.transfer import describe
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
@@ -69,11 +69,15 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout instead of a table."),
     quick: bool = typer.Option(False, "--quick", help="Check that files exist with the right sizes; skip digests."),
     threads: int | None = typer.Option(None, "--threads", min=1, metavar="N", help="Files hashed in parallel (default: CPUs, 2..8)."),
+    storage_option: Optional[list[str]] = storage_option_flag(),
 ) -> int:
     """Check every snapshot's bytes against its manifest (exit 1 if any is corrupt or incomplete)."""
     where = location(path)
-    if isinstance(where, StoreUrl):
-        return _verify_store(where, as_json, quick, threads)
+    remote = store_at(where, storage_option)
+    if remote is not None:
+        if isinstance(where, Path):
+            sys.stderr.write(f"verifying {remote.where} (run {where}'s snapshots live in the store)\n")
+        return _verify_store(remote, as_json, quick, threads)
     path = where
     ckpt_dir, entries = _target(path)
     lineage, lineage_problems = _lineage(ckpt_dir)
@@ -91,18 +95,19 @@ def verify(
     return EXIT_OK if ok else EXIT_NO
 
 
-def _verify_store(url: StoreUrl, as_json: bool, quick: bool, threads: int | None) -> int:
+def _verify_store(remote: FsspecStore, as_json: bool, quick: bool, threads: int | None) -> int:
     """Every ``step-<N>-<id>/`` prefix: each object streamed and hashed (sizes only with --quick)."""
     try:
-        reports = verify_remote_dir(FsspecStore(url), quick, None, threads)
+        reports = verify_remote_dir(remote, quick, None, threads)
     except Exception as exc:  # noqa: BLE001 - unreachable, no credentials, no bucket: one line
-        raise CkptrunError(f"cannot list {url}: {describe(exc)}", "check the URL, the endpoint and the credentials "
-                           "(environment: AWS_*, FSSPEC_S3_ENDPOINT_URL; ~/.aws)") from None
+        raise CkptrunError(f"cannot list {remote.where}: {describe(exc)}", "check the URL, the endpoint and the "
+                           "credentials (--storage-option endpoint_url=…; environment: AWS_*; ~/.aws)") from None
     if not reports:
-        raise CkptrunError(f"{url} holds no snapshot (no step-<N>-<id>/ prefixes)", hint=PATH_HINT)
+        raise CkptrunError(f"{remote.where} holds no snapshot (no step-<N>-<id>/ prefixes)",
+                           "check the URL (the prefix launch --ckpt-dir was given)")
     ok = not any(r.status in FAILING for r in reports)
     if as_json:
-        _print_json(url.url, ok, quick, reports, [])
+        _print_json(remote.where, ok, quick, reports, [])
     else:
         _print_table(reports, quick, [])
     return EXIT_OK if ok else EXIT_NO

@@ -33,12 +33,13 @@ PATH_HINT = "pass a run directory (it has events.jsonl or checkpoints/) or a che
 # --- what PATH is ---------------------------------------------------------------------
 
 
-def find_target(given: Path | str) -> parts.Target:
+def find_target(given: Path | str, storage_option: list[str] | None = None) -> parts.Target:
     """A run directory (records, maybe run.json), a checkpoint directory or an object-store URL, and the
-    snapshot a restart would use."""
+    snapshot a restart would use; ``storage_option`` as ``launch`` takes them (over a run's stored ones)."""
     where = store_location.location(given)
     if isinstance(where, StoreUrl):
-        return _store_target(where.url, "checkpoint", store_location.open_store(where.url), None)
+        return _store_target(where.url, "checkpoint", store_location.store_at(where, storage_option), None)
+    given_options = store_location.given_options(storage_option)
     path = where.absolute()
     if not path.is_dir():
         raise CkptrunError(f"{path}: no such directory", PATH_HINT)
@@ -51,7 +52,7 @@ def find_target(given: Path | str) -> parts.Target:
     if (path / records.EVENTS).exists() or (path / "run.json").exists() or (path / "checkpoints").is_dir():
         spec, run_id = _run_record(path)
         ckpt_dir = spec.ckpt_dir if spec is not None and spec.ckpt_dir is not None else path / "checkpoints"
-        remote = store_location.store_of(spec, run_id)  # this run's snapshots only, on a shared prefix
+        remote = store_location.store_of(spec, run_id, given_options)  # this run's snapshots only, on a shared prefix
         target = (_store_target(path, "run", remote, ckpt_dir, run_dir=path, spec=spec, run_id=run_id) if remote
                   else _target(path, "run", ckpt_dir, run_dir=path, spec=spec, run_id=run_id))
         target.events, target.metrics = records.read_events(path), records.read_metrics(path)

@@ -28,6 +28,7 @@ from ckptrun.cli.errors import CkptrunError
 from ckptrun.cli.supervision.attempt import RUN_ID_VARIABLE, WARM_PIDS, AttemptProcess, torchrun_args, torchrun_command
 from ckptrun.cli.supervision.spec import LaunchSpec
 from ckptrun.cli.supervision.standby import StandbyKeeper
+from ckptrun.runtime.env import variable
 
 NOOP_TARGET = ["-m", "ckptrun.cli.recovery_budget.rto_probe", "noop"]
 READY_WORD = "ckptrun standby: ready"  # what a standby prints once past its imports (standby.py)
@@ -100,9 +101,9 @@ def noop_attempt(world: int, spec: LaunchSpec | None, env: dict[str, str], timeo
     ``env``: the children's environment (without the run id; one is made up so the sweep finds them)."""
     path = relaunch_path(spec)
     run_id = f"rto-noop-{uuid.uuid4().hex[:8]}"
-    env = {**env, RUN_ID_VARIABLE: run_id}
     with tempfile.TemporaryDirectory(prefix="ckptrun-rto-") as scratch:
         work = Path(scratch)
+        env = {**env, RUN_ID_VARIABLE: run_id, variable("run_dir"): str(work / "run")}  # its heartbeats: not in cwd
         command = attempt_command(path, spec, world, work, [*NOOP_TARGET, str(work / "ready")])
         with relaunched(path, run_id, command, env, work, timeout) as attempt:
             try:

@@ -29,6 +29,7 @@ from ckptrun.cli.supervision.node_verify import choose
 from ckptrun.cli.supervision.observation import Observation, Snapshot
 from ckptrun.cli.supervision.rundir import RunPaths
 from ckptrun.cli.supervision.world import LocalWorld
+from ckptrun.runtime import records
 from ckptrun.runtime.env import RunEnv
 
 LEADER_LOST_S = 3.0  # a client that cannot reach the leader's store this long tears down and exits (requeue)
@@ -201,7 +202,8 @@ class NodeWorld(LocalWorld):
                 return
         if name in RUN_EVENTS and not self.settings.leader:
             return
-        super().event(name, **{"node": self.node, **fields})  # a node named in fields is the event's subject
+        writer = 0 if self.settings.leader else self.node  # one writer per shared file: the others' are node-local
+        records.log_event(self.paths.root, name, writer_node=writer, **{"node": self.node, **fields})  # a node in fields: the subject
 
     def _post_failure(self, fields: dict[str, Any]) -> dict[str, Any] | None:
         ranks = fields.get("stale_ranks") or ([fields["rank"]] if fields.get("rank") is not None else [])

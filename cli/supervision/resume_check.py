@@ -162,7 +162,12 @@ class ResumeWatch:
         return self.decided() and len(self.times) >= AFTER_LAST
 
     def throughput(self) -> float | None:
-        return throughput_ratio(self.before, self.times[AFTER_FIRST - 1:AFTER_LAST])
+        """After warm-up, over the whole window only: a restart followed by fewer than 25 steps (a small run's)
+        is not judged; its few intervals, some still warming up, would flag almost every restart."""
+        after = self.times[AFTER_FIRST - 1:AFTER_LAST]
+        if len(after) < AFTER_LAST - AFTER_FIRST + 1:
+            return None
+        return throughput_ratio(self.before, after)
 
     def fields(self) -> dict[str, Any]:
         """The restart event's resume fields."""

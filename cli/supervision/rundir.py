@@ -153,24 +153,22 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def latest_run(root: Path = RUNS_ROOT, pass_as: str = "--run-dir RUN_DIR") -> Path:
-    """The most recently modified run directory under ``root`` (for ``resume``/``stop`` without a path).
+    """The run under ``root`` that started last (``run.json``'s ``created``), for a command without a path.
 
-    ``pass_as`` is how the calling command takes a run, so that the hint names an option it has.
+    By start time, never by mtime: reading an old run (``report`` writes into it) must not make it the
+    newest. ``pass_as`` is how the calling command takes a run, so that the hint names an option it has.
     """
     candidates = [p.parent for p in root.glob(f"*/{RUN_JSON}")]
     if not candidates:
         raise CkptrunError(f"no runs under {root}/", f"pass {pass_as} (or run from the directory that holds runs/)")
-    return max(candidates, key=_last_activity)
+    return max(candidates, key=_started)
 
 
-def _last_activity(run_dir: Path) -> float:
-    times = [run_dir.stat().st_mtime]
-    for name in (records.EVENTS, records.METRICS, RUN_JSON):
-        try:
-            times.append((run_dir / name).stat().st_mtime)
-        except OSError:
-            pass
-    return max(times)
+def _started(run_dir: Path) -> float:
+    """When the run was created, from its run.json (its mtime for a record without the field)."""
+    record = _read_json(run_dir / RUN_JSON) or {}
+    created = record.get("created")
+    return float(created) if isinstance(created, (int, float)) else (run_dir / RUN_JSON).stat().st_mtime
 
 
 def default_name(script: Path | None) -> str:

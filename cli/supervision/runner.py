@@ -245,7 +245,7 @@ def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume
     role = "" if settings is None else " as leader" if settings.leader else \
         f" as node {settings.node_rank} of {settings.max_nodes}"
     progress.say(f"run {record.run_id} in {paths.root}{role} (logs: {paths.logs})")
-    progress.say(f"snapshots (scripts that use ckptrun.runtime): {cadence(spec)}")
+    progress.say(snapshot_line(spec))
     with _stop_signals(stop, spec.stop_signal):
         try:
             outcome = supervisor.supervise()
@@ -268,6 +268,20 @@ def _world(record: RunRecord, paths: RunPaths, progress: Progress, resume: Snaps
         return LocalWorld(*args, **common)
     node_timeout = max(5.0, min(spec.heartbeat_timeout, 30.0))
     return NodeWorld(*args, **common, settings=settings, job=store, node_timeout=node_timeout)
+
+
+def snapshot_line(spec: LaunchSpec) -> str:
+    """The start-up line on snapshots: the cadence, or, for a script that never imports ckptrun.runtime (read
+    from its code, as the bootstrap reads it), that ckptrun saves nothing for it."""
+    from ckptrun.runtime.worker.bootstrap import names_runtime
+
+    try:
+        plain = spec.script is not None and not names_runtime(compile(spec.script.read_bytes(), str(spec.script), "exec"))
+    except (OSError, SyntaxError, ValueError):
+        plain = False  # the first attempt says what is wrong with it
+    if plain:
+        return "snapshots: none by ckptrun (the script does not use ckptrun.runtime; a restart resumes from its own files)"
+    return f"snapshots: {cadence(spec)}"
 
 
 def cadence(spec: LaunchSpec) -> str:

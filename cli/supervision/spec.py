@@ -11,6 +11,7 @@ Importable without torch.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import signal
 import time
@@ -29,6 +30,7 @@ from ckptrun.runtime.faults import FaultSpecError, parse_faults
 RUN_JSON = "run.json"
 DEFAULT_MTBF_S = 86400.0  # --mtbf: one failure a day, a common figure for a multi-node job
 CADENCE = ("save_every_steps", "save_every_seconds", "save_every")  # one choice: a flag replaces the config's
+CONFIG_INTERNAL = {"store_url": "ckpt-dir", "store_secrets": "storage-option"}  # fields no config sets → the key that does
 RENAMED = {"allow_change": "allow_changes", "args": "script_args",  # TOML key (= long option) → field
            "local_cache": "cache_dir", "storage_option": "store_options"}
 
@@ -52,6 +54,7 @@ NOT_OPTIONS = frozenset({
     "save_every_auto", "mtbf_seconds", "heartbeat_interval", "fault",  # from save_every, mtbf, heartbeat_timeout, inject_fault
     "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
     "ckpt_url", "local_cache", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option (store_location)
+    "debug",  # the global --debug of the launcher
 })
 WorkerPolicy: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "WorkerPolicy", __doc__="The contract-C1 fields a launch decides for every worker: RunEnv's own fields.",
@@ -248,11 +251,27 @@ def _one_line(exc: ValidationError, source: dict[str, Any], config: Path | None,
     if not first["loc"]:  # a combination of options
         return CkptrunError(message, "see `ckptrun launch --help`")
     if first["type"] == "extra_forbidden":
-        where = f"{config}: unknown key {field!r}" if config else f"unknown option {flag_name(field)}"
-        return CkptrunError(where, f"known keys: {', '.join(flag_name(f)[2:] for f in LaunchSpec.model_fields)}")
+        return unknown_key(field, config)
     value = source.get(field)
     where = f"{config}: {field} = {value!r}" if field in from_file and config else f"{flag_name(field)} {value}"
     return CkptrunError(f"{where}: {message}", f"fix {flag_name(field)} (see `ckptrun launch --help`)")
+
+
+def config_keys() -> list[str]:
+    """The keys a ``--config`` file may set: launch's long options (``script`` and ``args`` too), never an
+    internal field (the store URL comes from ``ckpt-dir``, its secrets from ``storage-option``)."""
+    return [flag_name(name)[2:] for name in LaunchSpec.model_fields if name not in CONFIG_INTERNAL]
+
+
+def unknown_key(field: str, config: Path | None) -> CkptrunError:
+    """``x.toml: unknown key 'nproc_per_nod'`` + the nearest option name (difflib), never a dump of them all."""
+    typed = field.replace("_", "-")
+    internal = CONFIG_INTERNAL.get(field.replace("-", "_"))
+    guess = [internal] if internal else difflib.get_close_matches(typed, config_keys(), n=1)
+    where = f"{config}: unknown key {field!r}" if config else f"unknown option --{typed}"
+    hint = (f"did you mean {guess[0]}? " if guess else "") + \
+        "the keys are launch's long options, `-` or `_` alike (see `ckptrun launch --help`)"
+    return CkptrunError(where, hint)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -263,6 +282,10 @@ def read_config(path: Path) -> dict[str, Any]:
         raise CkptrunError(f"config file {path} does not exist", "pass an existing TOML file to --config") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise CkptrunError(f"config file {path} is not valid TOML: {exc}", "fix the file's syntax") from None
+    known = {key.replace("-", "_") for key in config_keys()} | set(RENAMED.values()) - set(CONFIG_INTERNAL)
+    for key in data:
+        if key.replace("-", "_") not in known:
+            raise unknown_key(key, path)
     data = {key.replace("-", "_"): value for key, value in data.items()}
     for key, field in RENAMED.items():  # allow-changes, the old key, is the field's own name: still read
         if key in data and field not in data:

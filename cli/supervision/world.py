@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import psutil
 
 from ckptrun.cli.durations import format_duration
+from ckptrun.cli.errors import debug_enabled
 from ckptrun.cli.progress import Progress, Status
 from ckptrun.cli.supervision.attempt import (NODE_VARIABLE, RUN_ID_VARIABLE, WARM_PIDS, AttemptProcess, torchrun_args,
                                               torchrun_command)
@@ -118,7 +119,7 @@ class LocalWorld:
             **self.spec.worker_policy(), run_id=self.run_id, run_dir=self.paths.root.resolve(),
             ckpt_dir=self.ckpt_dir.resolve(), attempt=attempt, supervised=True, supervisor_pid=self.supervisor.pid,
             supervisor_start_time=self.supervisor.create_time(), resume_from=resume_from,
-            save_interval_cap_seconds=self._interval_cap(), memory_dir=self.memory.path,
+            save_interval_cap_seconds=self._interval_cap(), memory_dir=self.memory.path, debug=debug_enabled(),
         )
 
     def _interval_cap(self) -> float | None:
@@ -179,6 +180,8 @@ class LocalWorld:
             self.attempt_log.append(record)
             if record.get("event") == "snapshot_saved":
                 self.snapshot_step = self.attempt_snapshot = record.get("step")
+            elif record.get("event") == "restored" and record.get("attempt") == self.attempt:
+                self.snapshot_step = record.get("step")  # what the ranks restored: a memory-tier one may be newer
             elif record.get("event") == "cadence" and not self.cadence_told:
                 self.cadence_told = True
                 self.say(f"save cadence: a snapshot every {format_duration(record.get('interval_s'))} ({record.get('reason')}; "

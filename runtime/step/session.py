@@ -27,7 +27,7 @@ from ckptrun.runtime import collectives, records
 
 from ckptrun.runtime.step import hparams, reshard, rng, stepper
 
-from ckptrun.runtime.checkpoint import snapshot, tiering, train_state
+from ckptrun.runtime.checkpoint import plain_state, snapshot, tiering, train_state
 
 from ckptrun.runtime.storage import store
 
@@ -116,7 +116,8 @@ class Run(LoopShapes, StepEnd):
     # --- registration and restore ------------------------------------------
 
     def track(self, **objects: Any) -> None:
-        """Register everything that must survive a restart (each needs state_dict/load_state_dict)."""
+        """Register everything that must survive a restart: objects with state_dict/load_state_dict,
+        ``ckr.Value(x)`` for one plain value, or a dict of JSON-able values."""
         if self.scaler is not None and "scaler" not in objects and "scaler" not in self.objects:
             objects = {**objects, "scaler": self.scaler}
         for name, obj in objects.items():
@@ -124,8 +125,9 @@ class Run(LoopShapes, StepEnd):
                 continue
             if name == "scaler":
                 self.scaler = obj
+            obj = plain_state.trackable(name, obj)  # a dict of plain values (ckr.Value is a state_dict object)
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                hint = " (use ckptrun.runtime.DataLoader for a resumable data position)" if isinstance(obj, torch.utils.data.DataLoader) else ""
+                hint = " (use ckptrun.runtime.DataLoader for a resumable data position)" if isinstance(obj, torch.utils.data.DataLoader) else plain_state.hint(obj)
                 raise TypeError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict{hint}")
             if isinstance(obj, DataLoader):
                 obj.before_batch = self._boundary

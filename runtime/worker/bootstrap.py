@@ -30,12 +30,12 @@ import os
 import runpy
 import sys
 import time
-import traceback
 from types import CodeType
 
 from ckptrun.runtime.worker import step_hook, timeline
 from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.worker.liveness import enable_stack_dumps, watch_supervisor
+from ckptrun.runtime.worker.user_traceback import format_user_exception, print_user_exception
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # torchrun's name, not a ckptrun contract
 _recorded: set[int] = set()
@@ -75,7 +75,7 @@ def record_failure(exc: BaseException, phase: str) -> None:
         "message": {
             "message": _message(exc),
             "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(exc)),
+                "py_callstack": format_user_exception(exc),
                 "timestamp": str(int(time.time())),
                 "time": time.time(),
                 "ckptrun_phase": phase,
@@ -149,10 +149,15 @@ def main(argv: list[str]) -> None:
         if exc.code not in (None, 0):
             record_failure(exc, "run")
         raise
-    except BaseException as exc:
+    except KeyboardInterrupt as exc:
         if id(exc) not in _recorded:
             record_failure(exc, "run")
         raise
+    except BaseException as exc:  # printed from the user's first frame (user_traceback), exit 1 as Python's own
+        if id(exc) not in _recorded:
+            record_failure(exc, "run")
+        print_user_exception(exc)
+        raise SystemExit(1) from None
 
 
 def _watch_supervisor() -> None:

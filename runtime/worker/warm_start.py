@@ -48,11 +48,11 @@ import json
 import os
 import signal
 import sys
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from ckptrun.runtime.worker import timeline
+from ckptrun.runtime.worker.user_traceback import print_user_exception
 
 RETURN_QUEUE = ("_wrap", "ret_val_")  # torch.distributed.elastic.multiprocessing.api._wrap: this rank's return queue
 SENTINEL = ("_launch", "child_w")  # multiprocessing.popen_fork.Popen._launch: the write end the agent watches
@@ -169,8 +169,8 @@ def main(argv: list[str]) -> None:
         bootstrap.main(argv[1:])
     except SystemExit:
         raise
-    except BaseException:  # recorded by the bootstrap: leave as a cold interpreter would, keeping its error file
-        traceback.print_exc()
+    except BaseException as exc:  # recorded by the bootstrap: leave as a cold interpreter would, keeping its error file
+        print_user_exception(exc)
         raise SystemExit(1) from None
     finally:
         undo()
