@@ -12,6 +12,7 @@
 - Judging and keeping: ``verify`` (the one place that says a snapshot is good), ``policies`` (when to save,
   what to keep), ``retention`` (delete only what a newer verified snapshot covers).
 
-Offers the step room ``snapshot.save`` / ``snapshot.load``, ``Saver``, ``MemoryTier`` and retention; offers
+Offers the step room ``Saver`` (which saves through ``snapshot.persist_and_publish``), ``snapshot.load``,
+``MemoryTier``, ``tiering`` and retention; offers
 the CLI ``verify`` (torch-free). Imports the contracts and ``storage``; never ``step`` or ``worker``.
 """

@@ -2,8 +2,9 @@
 
 Three phases, kept apart even while they run inline:
 
-* **stage** — copy every tensor into host buffers allocated once and reused;
-  the only part the training step has to wait for.
+* **stage** (:mod:`saver`, :mod:`staging`) — copy this rank's share of the
+  tensors into host buffers allocated once and reused (a sync save of CPU
+  tensors writes them as they are); the only part the training step waits for.
 * **persist** — model/optimizer/EMA tensors through DCP (``dcp/``), small state
   as JSON, per-rank RNG tensors through ``torch.save``; every byte hashed as it
   is written, every file fsynced.

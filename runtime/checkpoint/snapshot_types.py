@@ -89,7 +89,8 @@ FaultHook = Callable[[str], None]
 
 
 class LoadError(Exception):
-    """The snapshot named for this attempt does not load; fatal for the attempt."""
+    """A snapshot does not load (raised on every rank alike): restore falls back to an older one, unless it
+    is the one C1 named for this attempt, which then fails."""
 
 
 @dataclass

@@ -13,6 +13,8 @@
   ``reshard`` (resuming at another world size), ``hparams`` (what changed on resume), ``preflight``
   (the worker side of ``ckptrun preflight``).
 
-Imports ``checkpoint``, ``storage``, ``worker`` and the contracts; nothing imports it but ``ckptrun.runtime``'s
-lazy facade (``preflight.read_digests`` is torch-free for the CLI).
+Imports ``checkpoint``, ``storage``, ``worker`` and the contracts; no other room imports it. Besides
+``ckptrun.runtime``'s lazy facade, the CLI imports it in three places: preflight's checks read
+``preflight.read_digests`` (torch-free), a warm standby agent imports ``data`` and ``startup`` ahead of
+the ranks, and the RTO probe imports ``session`` to time what a rank's imports cost.
 """

@@ -141,7 +141,7 @@ class Saving:
                 self._retune(result)
 
     def _retune(self, result: snapshot.SaveResult) -> None:
-        """``--save-every auto`` on rank 0 (whose clock decides, shared by the step's all-reduce): the time
+        """``--save-every auto`` on rank 0 (whose clock decides, shared with the steps' facts): the time
         between saves follows Daly from this save's cost δ — the stall of an async save, the whole sync one."""
         auto, change = self.auto, None
         if auto is None:

@@ -4,9 +4,10 @@ A :class:`Run` owns the tracked state (model, optimizer, scheduler, scaler,
 EMA, data loader, anything with ``state_dict``), the step counter, the save
 cadence and the per-step decisions all ranks must share. Those decisions —
 save now (clock-based, rank 0's clock), stop now (a stop request seen by any
-rank) — ride on one small all-reduce together with the step's loss, started
-at the end of a step and read at the end of the next (:mod:`step_end`,
-:mod:`decisions`), so ranks never disagree and no step waits for it.
+rank) — ride with the steps' losses on one small all-gather every N steps
+(``decision_every_steps``), started at the end of a step and read at the end
+of the next (:mod:`step_end`, :mod:`decisions`), so ranks never disagree and
+no step waits for it.
 
 ``Run`` is put together from one part per concern: this module holds its state,
 tracking, the optimizer step and the way out (stop, finish); :mod:`loop` the
@@ -99,7 +100,7 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving):
         self.world_history = reshard.history(None, self.world_size, 0)
         self.parent: str | None = None
         self.last_save_time = time.monotonic()
-        self._stop_path = str(self.run_dir / "stop")  # checked every step: os.access is the cheapest test
+        self._stop_path = str(self.run_dir / "stop")  # checked once per batch of facts: os.access is cheapest
         self._start_step_end(self.world_size)
         self.saved_step: int | None = None
         self.restored_from: Path | None = None
