@@ -244,7 +244,8 @@ def read_heartbeats(run_dir: Path) -> dict[int, Heartbeat]:
 
 
 def write_fatal(run_dir: Path, rank: int, reason: str, exit_code: int) -> None:
-    """A worker's word that a restart cannot help (refused config, anomaly stop, bad precision)."""
+    """A worker's word that a restart cannot help (refused config, anomaly stop, bad precision; exit 1:
+    saves failed too often, the disk must be fixed first): the supervisor ends the run with ``exit_code``."""
     append_jsonl(run_dir / FATAL, {"rank": rank, "reason": reason, "exit_code": exit_code, "time": time.time()})
 
 

@@ -99,6 +99,23 @@ def test_an_epoch_ends_when_the_loop_runs_out():
     assert (loader.epoch, loader.state_dict()["samples_consumed"], loader.samples_seen) == (1, 0, 20)
 
 
+def test_ckr_dataloader_is_a_torch_dataloader_over_its_dataset():
+    from ckptrun.runtime.step.loop import untracked_loader_in_use
+
+    dataset = TensorDataset(torch.arange(20))
+    loader = ckr.DataLoader(dataset, batch_size=2, shuffle=True, seed=3, num_workers=1, persistent_workers=True)
+    assert isinstance(loader, torch.utils.data.DataLoader) and loader.dataset is dataset
+    assert (len(loader), loader.batch_size, loader.num_workers) == (10, 2, 1)
+    iterator = iter(loader)
+    (first,) = next(iterator)
+    loader.commit()
+    assert untracked_loader_in_use([]) and not untracked_loader_in_use([loader]), "tracked: its dataset is covered"
+    rest = [batch for (batch,) in iterator]
+    in_process = [batch for (batch,) in _loader()]  # same seed, no worker process: the same order
+    assert all(torch.equal(a, b) for a, b in zip([first, *rest], in_process, strict=True))
+    assert loader.epoch == 1 and len([batch for batch in loader]) == 10, "a persistent worker starts the next epoch"
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         return iter(range(4))

@@ -44,8 +44,10 @@ def test_every_readme_command_runs(tmp_path):
     commands = readme_commands()
     assert len(commands) > 10
     script = "set -euo pipefail\n" + "\n".join(f"echo '>>> {c.replace(chr(39), '')}' >&2\n{c}" for c in commands)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONWARNINGS": "ignore", "NO_COLOR": "1"}
+    # the directory stands for the checkout after `make demo`: ckptrun sits in .venv/bin, off the PATH until
+    # the README's own first command puts it there
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent, target_is_directory=True)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "NO_COLOR": "1"}
     env.pop("CKPTRUN_RUN_ID", None)
     process = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)

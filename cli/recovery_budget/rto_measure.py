@@ -286,7 +286,7 @@ def probe_run(spec: LaunchSpec, run_id: str, snapshot: Path, world: int, attempt
             raise CkptrunError(f"probe: the run's script did not restore {snapshot.name} on {world} rank(s) "
                                f"(exit code {attempt.popen.returncode}): {relaunch.tail(work / 'console.log')}",
                                "a real restart would fail the same way: run it by hand with "
-                               "CKPTRUN_EXIT_AFTER_RESTORE=1 to see the whole error", EXIT_NO)
+                               f"{variable('exit_after_restore')}=1 to see the whole error", EXIT_NO)
         event = restored[-1]
         return ProbeTimes(float(event["time"]) - attempt.started, float(event.get("seconds", 0.0)),
                           _number(event.get("since_process_start")), world,

@@ -210,6 +210,3 @@ class NodeWatch:
     def stale(self, nodes: Iterable[int], now: float, since: float) -> list[int]:
         """Nodes silent for longer than the timeout (a node never seen counts from ``since``)."""
         return [n for n in nodes if now - self.seen.get(n, (0.0, since))[1] > self.timeout_s]
-
-    def forget(self, node: int) -> None:
-        self.seen.pop(node, None)

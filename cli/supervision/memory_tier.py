@@ -10,8 +10,9 @@ supervisor on the host removes directories whose owner is gone.
 
 Restart choice: the newest memory snapshot of this run and of the current
 lineage (the durable directory's ``lineage.json``) that is newer than the
-newest verified durable snapshot and verifies (every digest) is used; else
-the durable one. A memory snapshot that fails the check is skipped and
+newest verified durable snapshot and passes the pre-load check is used
+(manifest and sizes for a chunked manifest, whose digests the ranks check as
+they load it; every digest for an older one); else the durable one. A memory snapshot that fails the check is skipped and
 deleted, never quarantined into the durable directory; so are the memory
 snapshots newer than the one chosen (a future the restart will not replay).
 The ``restore_source`` event says which tier and why. Never across nodes: a

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.runtime.storage import store
@@ -104,7 +104,3 @@ def _digest(snapshot: Path) -> str | None:
         return manifest_digest(read_manifest(snapshot))
     except ManifestError:
         return None
-
-
-def describe_store(remote: FsspecStore | None) -> dict[str, Any]:
-    return {"store": remote.where} if remote is not None else {}

@@ -5,13 +5,14 @@
   hashes as it writes and unpickles nothing unsafe).
 - Write path: ``staging`` (stage: host copies in reused buffers), ``saver`` (persist and publish in the
   background), ``save_plan``, ``writeback``, ``zip_crc``, ``pacing``, ``remote_publish`` (the upload phase),
-  ``snapshot`` (save and load of one snapshot, contract C2), ``memory_tier`` (a frequent snapshot in
-  node-local shared memory).
+  ``snapshot`` (save and load of one snapshot, contract C2; its file names and records in
+  ``snapshot_types``), ``memory_tier`` (a frequent snapshot in node-local shared memory).
 - Read path: ``verified_read`` (bytes checked against the manifest as they are read), ``tiering`` (which copy
   a restart restores from).
 - Judging and keeping: ``verify`` (the one place that says a snapshot is good), ``policies`` (when to save,
   what to keep), ``retention`` (delete only what a newer verified snapshot covers).
 
-Offers the step room ``snapshot.save`` / ``snapshot.load``, ``Saver``, ``MemoryTier`` and retention; offers
+Offers the step room ``Saver`` (which saves through ``snapshot.persist_and_publish``), ``snapshot.load``,
+``MemoryTier``, ``tiering`` and retention; offers
 the CLI ``verify`` (torch-free). Imports the contracts and ``storage``; never ``step`` or ``worker``.
 """

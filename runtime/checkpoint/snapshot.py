@@ -2,8 +2,9 @@
 
 Three phases, kept apart even while they run inline:
 
-* **stage** — copy every tensor into host buffers allocated once and reused;
-  the only part the training step has to wait for.
+* **stage** (:mod:`saver`, :mod:`staging`) — copy this rank's share of the
+  tensors into host buffers allocated once and reused (a sync save of CPU
+  tensors writes them as they are); the only part the training step waits for.
 * **persist** — model/optimizer/EMA tensors through DCP (``dcp/``), small state
   as JSON, per-rank RNG tensors through ``torch.save``; every byte hashed as it
   is written, every file fsynced.
@@ -23,7 +24,6 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,85 +31,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptrun.runtime import collectives
-
-from ckptrun.runtime.storage import store
-
 from ckptrun.runtime.checkpoint import zip_crc
 from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata, tensor_table
+from ckptrun.runtime.checkpoint.snapshot_types import (
+    DCP_DIR, STATE_JSON, FaultHook, Loaded, LoadError, SaveResult, SnapshotInfo, State, rank_json, rank_tensors,
+)
+from ckptrun.runtime.checkpoint.verified_read import prefetch, read_small
 from ckptrun.runtime.hashing import HashingWriter
 from ckptrun.runtime.manifest import Chunk, FileEntry, Manifest, TensorEntry, read_manifest
-from ckptrun.runtime.checkpoint.verified_read import prefetch, read_small
+from ckptrun.runtime.storage import store
 
-DCP_DIR = "dcp"
-STATE_JSON = "state.json"
-
-
-def rank_json(rank: int) -> str:
-    return f"rank-{rank:05d}.json"
-
-
-def rank_tensors(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
-
-
-@dataclass
-class State:
-    """What one rank contributes to a snapshot.
-
-    ``shared_*`` is identical on every rank (model, optimizer, scheduler, config,
-    counters); ``rank_*`` is this rank's own (RNG states).
-    """
-
-    shared_tree: dict[str, Any]
-    shared_tensors: dict[str, torch.Tensor]
-    rank_tree: dict[str, Any]
-    rank_tensors: dict[str, torch.Tensor]
-    staged_bytes: int = 0  # host buffer bytes holding this rank's share of ``shared_tensors``
-    allocated_bytes: int = 0  # of which newly allocated by this save
-
-
-@dataclass
-class SnapshotInfo:
-    """Manifest fields the caller knows and the store does not."""
-
-    run_id: str
-    lineage: str
-    parent: str | None
-    step: int
-    epoch: int
-    samples_seen: int
-    precision: str
-    config: dict[str, Any]
-    code_version: str
-    world_size_history: list[dict[str, int]] = field(default_factory=list)  # see reshard.history
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """One save's outcome, the same on every rank."""
-
-    ok: bool
-    step: int = -1
-    path: Path | None = None
-    bytes: int = 0
-    stall_s: float = 0.0  # what the training loop waited: previous save + preflight + stage
-    persist_s: float = 0.0
-    publish_s: float = 0.0
-    error: str | None = None
-    skipped: bool = False  # refused before writing (preflight, overlap policy)
-    waited_s: float = 0.0  # part of the stall spent waiting for the previous save
-    asynchronous: bool = False
-    staging_allocated_bytes: int = 0  # new host buffers this save needed (0 once they exist)
-    rss_after_stage_bytes: int = 0  # the process's resident memory right after staging
-    staged_bytes_per_rank: tuple[int, ...] = ()  # each rank's staging buffers for this save: its share of the state
-    allocated_bytes_per_rank: tuple[int, ...] = ()
-    tensor_digest: str = ""  # one digest over every DCP data file: equal at two steps means nothing changed
-    stale_of: int | None = None  # an earlier step whose tensor bytes this save repeats exactly (stale staging?)
-    remote: str | None = None  # the object-store prefix it was committed to (runtime.remote_publish)
-    upload_s: float = 0.0  # uploading and committing it there
-
-
-FaultHook = Callable[[str], None]
+__all__ = [  # the format's names and records live in snapshot_types; callers find them here too
+    "DCP_DIR", "STATE_JSON", "FaultHook", "LoadError", "Loaded", "Manifest", "SaveResult", "SnapshotInfo", "State",
+    "check_sizes", "load", "persist_and_publish", "rank_json", "rank_tensors", "read_manifest",
+]
 
 
 def persist_and_publish(
@@ -293,19 +228,6 @@ def _tensor_digest(files: list[FileEntry]) -> str:
 
 
 # --- loading -------------------------------------------------------------------
-
-
-class LoadError(Exception):
-    """The snapshot named for this attempt does not load; fatal for the attempt."""
-
-
-@dataclass
-class Loaded:
-    manifest: Manifest
-    shared_tree: dict[str, Any]
-    shared_tensors: dict[str, torch.Tensor]
-    rank_tree: dict[str, Any]
-    rank_tensors: dict[str, torch.Tensor]
 
 
 def check_sizes(snapshot_dir: Path, manifest: Manifest) -> None:

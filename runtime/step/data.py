@@ -57,25 +57,28 @@ class ResumableSampler(Sampler[int]):
         return max(0, (self.end - self.start) // (self.batch_size * self.world_size) * self.batch_size)
 
 
-class DataLoader:
-    """``torch.utils.data.DataLoader`` with a resumable position (drop-in for the common arguments).
+class DataLoader(torch.utils.data.DataLoader):
+    """A ``torch.utils.data.DataLoader`` with a resumable position (drop-in for the common arguments).
 
-    Iterating yields one epoch from the committed position; :meth:`commit`
-    (called by the run at each step's end) advances it, and the iterator that
-    reaches the epoch's end rolls it to the next epoch.
+    A subclass: ``dataset``, ``sampler`` (a :class:`ResumableSampler`, this rank's
+    share), ``batch_size`` (per rank), ``num_workers`` and the other keyword
+    arguments are torch's. Iterating yields one epoch from the committed
+    position; :meth:`commit` (called by the run at each step's end) advances it,
+    and the iterator that reaches the epoch's end rolls it to the next epoch.
+    ``len(loader)`` is the batches of a whole epoch on this rank.
     """
+
+    sampler: ResumableSampler
+    generator: torch.Generator
 
     def __init__(self, dataset: Dataset, batch_size: int, shuffle: bool = True, num_workers: int = 0,
                  seed: int = 0, **loader_kwargs: Any) -> None:
         _refuse_unresumable(dataset, loader_kwargs)
-        self.batch_size = batch_size
-        self.world_size = collectives.world_size()
-        self.sampler = ResumableSampler(len(dataset), collectives.rank(), self.world_size, shuffle, seed, batch_size)  # type: ignore[arg-type]
-        self.generator = torch.Generator()
-        self.loader = torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
-            drop_last=True, generator=self.generator, **loader_kwargs,
-        )
+        world_size = collectives.world_size()
+        sampler = ResumableSampler(len(dataset), collectives.rank(), world_size, shuffle, seed, batch_size)  # type: ignore[arg-type]
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                         drop_last=True, generator=torch.Generator(), **loader_kwargs)
+        self.world_size = world_size
         self.epoch = 0
         self.consumed = 0  # global samples consumed in this epoch
         self.samples_seen = 0  # global samples consumed since the start
@@ -102,7 +105,7 @@ class DataLoader:
         self.sampler.start = self.consumed
         self.sampler.end = self.consumed + max(0, self.epoch_samples - self.consumed) // self.micro_samples * self.micro_samples
         self.generator.manual_seed(self.sampler.seed * 7_919 + self.epoch)  # worker base seeds
-        cursor = _Cursor(self, iter(self.loader))
+        cursor = _Cursor(self, super().__iter__())
         self._cursors = [ref for ref in self._cursors if ref() is not None] + [weakref.ref(cursor)]
         return cursor
 

@@ -112,8 +112,7 @@ def untracked_loader_in_use(tracked: Iterable[Any]) -> bool:
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
     covered = set()
-    for obj in tracked:
-        inner = getattr(obj, "loader", obj)  # ckr.DataLoader wraps a torch DataLoader
-        covered |= {id(obj), id(getattr(obj, "dataset", None)), id(getattr(inner, "dataset", None))}
+    for obj in tracked:  # ckr.DataLoader and StatefulDataLoader are torch DataLoaders: their .dataset
+        covered |= {id(obj), id(getattr(obj, "dataset", None))}
     live = (o for o in gc.get_objects() if issubclass(type(o), _BaseDataLoaderIter))  # type(): no __class__ hooks
     return any(id(o._dataset) not in covered for o in live)

@@ -4,9 +4,16 @@ A :class:`Run` owns the tracked state (model, optimizer, scheduler, scaler,
 EMA, data loader, anything with ``state_dict``), the step counter, the save
 cadence and the per-step decisions all ranks must share. Those decisions —
 save now (clock-based, rank 0's clock), stop now (a stop request seen by any
-rank) — ride on one small all-reduce together with the step's loss, started
-at the end of a step and read at the end of the next (:mod:`step_end`,
-:mod:`decisions`), so ranks never disagree and no step waits for it.
+rank) — ride with the steps' losses on one small all-gather every N steps
+(``decision_every_steps``), started at the end of a step and read at the end
+of the next (:mod:`step_end`, :mod:`decisions`), so ranks never disagree and
+no step waits for it.
+
+``Run`` is put together from one part per concern: this module holds its state,
+tracking, the optimizer step and the way out (stop, finish); :mod:`loop` the
+loop's two shapes, :mod:`step_end` closing a step, :mod:`restoring` resuming
+from a snapshot, :mod:`rollback` the answer to an anomaly, :mod:`saving` saves
+and their outcomes.
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ import hashlib
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,40 +30,27 @@ import torch
 import torch.distributed as dist
 
 from ckptrun.runtime import collectives, records
-
-from ckptrun.runtime.step import hparams, reshard, rng, stepper
-
-from ckptrun.runtime.checkpoint import plain_state, snapshot, tiering, train_state
-
-from ckptrun.runtime.storage import store
-
-from ckptrun.runtime.worker import timeline
+from ckptrun.runtime.checkpoint import plain_state
+from ckptrun.runtime.checkpoint.memory_tier import MemoryTier
+from ckptrun.runtime.checkpoint.policies import AutoCadence, FailedSaves, Retention, SaveCadence
+from ckptrun.runtime.checkpoint.saver import Saver
+from ckptrun.runtime.checkpoint.wrappers import unwrap as _unwrap
+from ckptrun.runtime.env import RunEnv
+from ckptrun.runtime.faults import parse_faults
+from ckptrun.runtime.step import hparams, reshard, stepper
 from ckptrun.runtime.step.anomaly import AnomalyDetector
 from ckptrun.runtime.step.data import DataLoader
-from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.worker.fault_injection import FaultInjector
-from ckptrun.runtime.faults import parse_faults
-from ckptrun.runtime.worker.liveness import Heartbeater
-from ckptrun.runtime.step.loop import LoopShapes, untracked_loader_in_use
-from ckptrun.runtime.step.step_end import StepEnd
-from ckptrun.runtime.checkpoint.policies import AutoCadence, FailedSaves, Retention, SaveCadence, refused_changes
-from ckptrun.runtime.storage.remote_store import open_store
-from ckptrun.runtime.checkpoint.retention import apply_retention
+from ckptrun.runtime.step.exit_codes import EXIT_STOPPED, EXIT_UNRECOVERABLE
+from ckptrun.runtime.step.loop import LoopShapes
 from ckptrun.runtime.step.precision import Policy
-from ckptrun.runtime.checkpoint.saver import Saver
-from ckptrun.runtime.checkpoint.memory_tier import MemoryTier
 from ckptrun.runtime.step.precision_report import REPORT, DtypeRecorder, write_report
-from ckptrun.runtime.checkpoint.verify import newest_verified
-from ckptrun.runtime.checkpoint.wrappers import unwrap as _unwrap
-
-EXIT_FAILED, EXIT_STOPPED, EXIT_UNRECOVERABLE = 1, 3, 4
-
-
-def _process_start_time() -> float:
-    import psutil
-
-    return psutil.Process().create_time()
-
+from ckptrun.runtime.step.restoring import Restoring
+from ckptrun.runtime.step.rollback import Rollback
+from ckptrun.runtime.step.saving import Saving
+from ckptrun.runtime.step.step_end import StepEnd
+from ckptrun.runtime.storage.remote_store import open_store
+from ckptrun.runtime.worker.fault_injection import FaultInjector
+from ckptrun.runtime.worker.liveness import Heartbeater
 
 def _code_version() -> str:
     try:
@@ -66,7 +59,7 @@ def _code_version() -> str:
         return ""
 
 
-class Run(LoopShapes, StepEnd):
+class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving):
     """State, counters and policy of one training process. Create it with :func:`init`."""
 
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
@@ -108,12 +101,12 @@ class Run(LoopShapes, StepEnd):
         self.world_history = reshard.history(None, self.world_size, 0)
         self.parent: str | None = None
         self.last_save_time = time.monotonic()
-        self._stop_path = str(self.run_dir / "stop")  # checked every step: os.access is the cheapest test
+        self._stop_path = str(self.run_dir / "stop")  # checked once per batch of facts: os.access is cheapest
         self._start_step_end(self.world_size)
         self.saved_step: int | None = None
         self.restored_from: Path | None = None
 
-    # --- registration and restore ------------------------------------------
+    # --- registration -----------------------------------------------------------
 
     def track(self, **objects: Any) -> None:
         """Register everything that must survive a restart: objects with state_dict/load_state_dict,
@@ -149,131 +142,6 @@ class Run(LoopShapes, StepEnd):
         optimizer and scheduler would otherwise bring back the snapshot's rate.
         """
         hparams.set_lr(self.objects["optimizer"], self.objects.get("scheduler"), lr)
-
-    def restore(self) -> int:
-        """Load the snapshot this attempt resumes from, if any; returns the step to continue from.
-
-        Supervised: exactly the snapshot named in C1 (the supervisor verified it);
-        if it does not load, this attempt fails. Otherwise rank 0 verifies and
-        picks the newest snapshot of the lineage, falling back to older ones that
-        verify when one does not load, and says why.
-        """
-        self.heart.beat(self.step, "restore")
-        skipped: set[str] = set()
-        while True:
-            chosen = self._choose_snapshot(skipped)
-            if chosen is None:
-                if self.env.exit_after_restore:
-                    self._refuse(f"probe: no verified snapshot in {self.ckpt_dir} to restore", 2, fatal=False)
-                if skipped:
-                    self._refuse(f"no snapshot in {self.ckpt_dir} loads (tried {', '.join(sorted(skipped))}); "
-                                 f"inspect them with `ckptrun verify {self.ckpt_dir}`")
-                return self.step
-            started = time.monotonic()
-            self._check_compatible(snapshot.read_manifest(chosen))
-            try:
-                loaded = self._load(chosen)
-            except snapshot.LoadError as exc:
-                self._restore_failed(chosen, str(exc))
-                skipped.add(chosen.name)
-                continue
-            self._apply(loaded)
-            self.restored_from, self.parent, self.saved_step = chosen, chosen.name, self.step
-            if self.memory.holds(chosen):  # not durable: the next save's parent is its durable one, and a stop saves
-                self.parent, self.saved_step = loaded.manifest.parent, None
-            if self.rank == 0:
-                records.log_event(self.run_dir, "probe_restored" if self.env.exit_after_restore else "restored",
-                                  attempt=self.env.attempt, snapshot=str(chosen), step=self.step,
-                                  seconds=time.monotonic() - started, bytes=loaded.manifest.total_bytes,
-                                  since_process_start=time.time() - _process_start_time(),
-                                  startup={"process": _process_start_time(), **timeline.MARKS},
-                                  verified_by="as loaded" if loaded.manifest.verified_as_loaded else
-                                  "supervisor" if self.env.resume_from else "runtime",
-                                  tier="memory" if self.memory.holds(chosen) else "disk")
-            if self.env.exit_after_restore:
-                self._exit_quietly(0)
-            return self.step
-
-    def _restore_failed(self, path: Path, reason: str) -> None:
-        self._note_unloadable(path, reason)
-        if self.env.resume_from is not None:
-            self._refuse(f"snapshot {path} named for this attempt does not load: {reason}", EXIT_FAILED, fatal=False)
-
-    def _choose_snapshot(self, skipped: set[str]) -> Path | None:
-        if self.env.resume_from is not None:
-            return self.env.resume_from
-        if self.env.supervised:
-            return None
-        return self._newest_verified(skipped)
-
-    def _newest_verified(self, skipped: set[str]) -> Path | None:
-        """Rank 0 verifies and picks, every rank gets its choice (ranks must agree on what they load)."""
-        choice = None
-        if self.rank == 0 and self.saver.remote is not None:  # an object store: its manifests decide (runtime.tiering)
-            found = tiering.choose_for_worker(self.saver.remote, self.ckpt_dir, self.run_dir, skipped,
-                                              log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
-            choice = str(found) if found else None
-        elif self.rank == 0:
-            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), skip=skipped,
-                                     at_load=True)  # chunked snapshots: sizes here, every byte verified as loaded
-            choice = str(report.path) if report else None
-        choice = collectives.broadcast_object(choice)
-        return Path(choice) if choice else None
-
-    def _note_unloadable(self, path: Path, reason: str) -> None:
-        if self.rank == 0:
-            records.log_event(self.run_dir, "restore_failed", attempt=self.env.attempt, snapshot=str(path), reason=reason)
-            print(f"ckptrun: snapshot {path.name} does not load: {reason}", file=sys.stderr, flush=True)
-
-    def _load_newest(self) -> tuple[Path, snapshot.Loaded] | None:
-        """The newest verified snapshot that loads; those that verify but do not load are reported and skipped."""
-        skipped: set[str] = set()
-        while (path := self._newest_verified(skipped)) is not None:
-            try:
-                return path, self._load(path)
-            except snapshot.LoadError as exc:  # raised on every rank alike
-                self._note_unloadable(path, str(exc))
-                skipped.add(path.name)
-        return None
-
-    def _load(self, path: Path) -> snapshot.Loaded:
-        """Load a snapshot; one written at another world size brings no per-rank files (see :mod:`reshard`)."""
-        return snapshot.load(path, rank_files=snapshot.read_manifest(path).world_size == self.world_size,
-                             live=train_state.live_tensors(self.objects))
-
-    def _check_compatible(self, manifest: snapshot.Manifest) -> None:
-        if manifest.world_size != self.world_size and not self.env.allow_reshard:
-            self._refuse(reshard.refusal(manifest, self.world_size))
-        changed = refused_changes(manifest.config, self.config, self.env.allow_changes)
-        if changed:
-            detail = ", ".join(f"{k}: {manifest.config.get(k)!r} -> {self.config.get(k)!r}" for k in changed)
-            self._refuse(f"config changed since snapshot step {manifest.step} ({detail}); "
-                         f"allow it with --allow-change {','.join(changed)} or start a new run")
-        self.changed = hparams.config_changes(manifest.config, self.config)
-        if self.changed and self.rank == 0:
-            records.log_event(self.run_dir, "config_changed", step=manifest.step, changed=self.changed)
-            detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in self.changed.items())
-            print(f"ckptrun: config changed since snapshot step {manifest.step}: {detail}", file=sys.stderr, flush=True)
-        if manifest.code_version and manifest.code_version != self.code_version and self.rank == 0:
-            records.log_event(self.run_dir, "code_changed", snapshot_code=manifest.code_version, code=self.code_version)
-            print(f"ckptrun: note: the training script changed since snapshot step {manifest.step}", file=sys.stderr)
-
-    def _apply(self, loaded: snapshot.Loaded) -> None:
-        tree = loaded.shared_tree
-        for name in self.objects:
-            if name not in tree["objects"]:
-                self._refuse(f"snapshot has no state for {name!r} (tracked now, not when it was saved)")
-        train_state.apply(self.objects, tree["objects"], loaded.shared_tensors)
-        self.step = tree["counters"]["step"]
-        self.epoch = tree["counters"].get("epoch", 0)
-        self.rollbacks = tree["counters"].get("rollbacks", 0)
-        if not loaded.rank_tree:  # written at another world size: per-rank state does not carry over
-            reshard.reseed(self.env.seed, self.step, self.rank)
-            reshard.record(self, loaded.manifest)
-        elif not self.faults.has("skip-rng-restore"):
-            rng.restore(loaded.rank_tree["rng"], loaded.rank_tensors)
-        self.world_history = reshard.history(loaded.manifest, self.world_size, self.step)
-        self.lineage = store.read_lineage(self.ckpt_dir).current if store.read_lineage(self.ckpt_dir) else loaded.manifest.lineage
 
     def _refuse(self, message: str, code: int = EXIT_UNRECOVERABLE, fatal: bool = True) -> None:
         """Stop this worker; with ``fatal`` the supervisor will not retry."""
@@ -336,157 +204,6 @@ class Run(LoopShapes, StepEnd):
             scheduler.step()
         if ema is not None and hasattr(ema, "update_parameters"):
             ema.update_parameters(_unwrap(model))
-
-    # --- anomalies ----------------------------------------------------------------
-
-    def _on_anomaly(self, reason: str, step: int) -> bool:
-        """Apply --on-anomaly to step ``step``'s loss; True when the run was rolled back (its counters are the snapshot's)."""
-        policy = self.env.on_anomaly
-        if self.rank == 0:
-            records.log_event(self.run_dir, "anomaly", step=step, reason=reason, policy=policy)
-            print(f"ckptrun: anomaly at step {step}: {reason} (policy: {policy})", file=sys.stderr, flush=True)
-        if policy == "stop":
-            self._refuse(f"anomaly at step {step}: {reason}; stopped without saving the suspect state "
-                         "(use --on-anomaly rollback to recover automatically)")
-        if policy == "rollback":
-            self._rollback(reason, step)
-            return True
-        return False
-
-    def _rollback(self, reason: str, from_step: int) -> None:
-        """Restore the previous verified snapshot in-process, fork the lineage, lower the LR, skip the data window."""
-        if self.rollbacks >= self.env.max_rollbacks:
-            self._refuse(f"anomaly after {self.rollbacks} rollbacks ({reason}); lower the learning rate or inspect the data")
-        self._settle_saves(wait=True)
-        found = self._load_newest()
-        if found is None:
-            self._refuse(f"anomaly ({reason}) and no verified snapshot that loads to roll back to")
-        loader = self.objects.get("loader")
-        position = loader.state_dict() if loader is not None else None  # skip the window that caused it
-        path, loaded = found
-        self._apply(loaded)
-        if loader is not None:
-            loader.load_state_dict(position)
-        if self.rank == 0:
-            store.fork(self.ckpt_dir, path)
-        collectives.barrier()
-        self.lineage, self.parent, self.saved_step = store.read_lineage(self.ckpt_dir).current, path.name, self.step
-        self.rollbacks += 1
-        factor = self.env.rollback_lr_factor
-        hparams.scale_lr(self.objects.get("optimizer"), self.objects.get("scheduler"), factor)
-        self.anomalies.history.clear()
-        if self.rank == 0:
-            records.log_event(self.run_dir, "rollback", from_step=from_step, to_step=self.step, snapshot=str(path),
-                              lr_factor=factor, rollbacks=self.rollbacks, reason=reason)
-
-    # --- saving -----------------------------------------------------------------
-
-    def save(self) -> None:
-        """Snapshot the whole state at this step boundary; async saves return once the state is staged."""
-        if self._settle_decisions():  # the step's line and anomaly check come first (every rank is here)
-            return  # rolled back: the state is a verified snapshot's
-        self.heart.beat(self.step, "save")
-        self._check_loaders()
-        step, started = self.step, time.monotonic()
-        if not (self.saver.busy() and self.env.save_overlap == "skip"):
-            self._settle_saves(wait=True)  # at most one in flight; its outcome names the next parent
-        if self.save_budget_spent is not None:  # every rank settled the same results: they agree here
-            self._refuse(f"{self.save_budget_spent}; free disk space or fix the checkpoint dir, "
-                         "then `ckptrun resume --latest`", EXIT_FAILED)
-        waited = time.monotonic() - started
-        if waited > 0.001 and self.rank == 0:
-            records.log_event(self.run_dir, "save_waited", step=step, seconds=waited)
-        self.saver.begin(self._collect(), self._info(), fault=lambda phase: self.faults.during_save(step, phase),
-                         on_result=self._on_save_result, waited=waited)
-        if self.auto is not None:
-            self.auto.started()
-            self.cadence = replace(self.cadence, every_seconds=self.auto.interval)
-        self.last_save_time = time.monotonic()
-        self.saved_step, self.parent = step, store.snapshot_name(step)
-        self._settle_saves(wait=not self.env.async_save)
-        self.heart.beat(self.step, "train")
-
-    def _memory_save(self) -> None:
-        """A memory-tier snapshot at this step boundary (the memory cadence agreed by step number)."""
-        if self._settle_decisions():  # the step's line and anomaly check first, as for a durable save
-            return
-        self.heart.beat(self.step, "save")
-        self.memory.save(self._collect(), self._info())
-        self.heart.beat(self.step, "train")
-
-    def _check_loaders(self) -> None:
-        """Once, at the first save: warn when a torch DataLoader is in use but its position is not tracked."""
-        if not self._loaders_checked and self.rank == 0 and untracked_loader_in_use(self.objects.values()):
-            print("ckptrun: warning: data position not saved: a resume restarts this epoch (track the loader: "
-                  "ckr.DataLoader or torchdata's StatefulDataLoader, run.track(loader=...))", file=sys.stderr, flush=True)
-        self._loaders_checked = True
-
-    def _on_save_result(self, result: snapshot.SaveResult) -> None:
-        """Every rank, on the thread that finished the save: rank 0 records it and applies retention."""
-        if self.rank != 0:
-            return
-        if result.ok:
-            seconds = result.persist_s + result.publish_s
-            records.log_event(self.run_dir, "snapshot_saved", step=result.step, path=str(result.path), bytes=result.bytes,
-                              stall_s=result.stall_s, waited_s=result.waited_s, write_s=seconds,
-                              persist_s=result.persist_s, publish_s=result.publish_s, asynchronous=result.asynchronous,
-                              throughput_mb_s=result.bytes / seconds / 1e6 if seconds else None,
-                              staging_allocated_bytes=result.staging_allocated_bytes,
-                              rss_after_stage_bytes=result.rss_after_stage_bytes,
-                              staged_bytes_per_rank=list(result.staged_bytes_per_rank),
-                              staging_allocated_bytes_per_rank=list(result.allocated_bytes_per_rank),
-                              remote=result.remote, upload_s=result.upload_s)
-            if result.stale_of is not None:
-                records.log_event(self.run_dir, "stale_staging", step=result.step, same_as_step=result.stale_of)
-                print(f"ckptrun: warning: snapshot step {result.step} holds exactly the tensors of step {result.stale_of}: "
-                      "stale staging, or training changed nothing", file=sys.stderr, flush=True)
-            apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention, self.saver.remote)
-        else:
-            records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)
-            print(f"ckptrun: SAVE FAILED at step {result.step}: {result.error}", file=sys.stderr, flush=True)
-
-    def _settle_saves(self, wait: bool = False) -> None:
-        """Account for finished saves: the parent of the next one, and the consecutive-failure budget."""
-        self.memory.settle(wait)
-        for result in self.saver.collect(wait):
-            if result.ok:
-                self.published = result.path.name  # type: ignore[union-attr]
-            elif self.saved_step == result.step:
-                self.saved_step, self.parent = None, self.published
-            if self.failed_saves.record(result.ok):
-                self.save_budget_spent = f"{self.failed_saves.consecutive} consecutive saves failed (last: {result.error})"
-            if self.rank == 0:
-                self._retune(result)
-
-    def _retune(self, result: snapshot.SaveResult) -> None:
-        """``--save-every auto`` on rank 0 (whose clock decides, shared by the step's all-reduce): the time
-        between saves follows Daly from this save's cost δ — the stall of an async save, the whole sync one."""
-        auto, change = self.auto, None
-        if auto is None:
-            return
-        if result.ok:
-            change = auto.measured(result.stall_s + (0.0 if result.asynchronous else result.persist_s + result.publish_s))
-        else:
-            auto.failed()
-        self.cadence = replace(self.cadence, every_seconds=auto.interval)
-        if change is not None:
-            records.log_event(self.run_dir, "cadence", step=self.step, attempt=self.env.attempt, **change)
-
-    def _collect(self) -> snapshot.State:
-        trees, tensors, aliases = train_state.collect(self.objects)
-        rng_tree, rng_tensors = rng.capture()
-        counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
-        shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases}
-        return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors)
-
-    def _info(self) -> snapshot.SnapshotInfo:
-        loader = self.objects.get("loader")
-        return snapshot.SnapshotInfo(
-            run_id=self.env.run_id, lineage=self.lineage, parent=self.parent, step=self.step,
-            epoch=getattr(loader, "epoch", self.epoch), samples_seen=getattr(loader, "samples_seen", 0),
-            precision=self.precision.mode, config=self.config, code_version=self.code_version,
-            world_size_history=self.world_history,
-        )
 
     # --- stopping -------------------------------------------------------------
 

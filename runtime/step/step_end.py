@@ -130,7 +130,7 @@ class StepEnd:
             return False
         if agreed.give_up:
             self._refuse(f"{self.save_budget_spent or 'saves failed on another rank'}; free disk space or fix the "
-                         "checkpoint dir, then `ckptrun resume --latest`", 1)  # EXIT_FAILED: a restart may help
+                         "checkpoint dir, then `ckptrun resume --latest`", 1)  # EXIT_FAILED, fatal: no restart onto a full disk
         self._carried = (self._carried[0] or agreed.stop, self._carried[1] or agreed.save)
         self._tune_exchange(agreed)
         lines = []

@@ -56,12 +56,6 @@ class StoreUrl:
 Location = Path | StoreUrl
 
 
-def is_url(text: str | Path) -> bool:
-    """True for ``scheme://…`` other than ``file://`` (what must go through an object store)."""
-    match = _SCHEME.match(str(text))
-    return match is not None and match.group(1).lower() != "file"
-
-
 def parse(text: str | Path) -> Location:
     """A local :class:`Path` or a supported :class:`StoreUrl`; :class:`UrlError` when neither."""
     if isinstance(text, Path):

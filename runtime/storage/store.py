@@ -1,6 +1,8 @@
 """The checkpoint directory's owner: naming, temp dirs, atomic publish, lineage, deletion.
 
-Only this module creates, renames or deletes anything in CKPT_DIR. Publishing is
+Snapshot directories in CKPT_DIR are made, published, moved and deleted here
+(the writers fill the temp directory it hands them; a store backend may drop
+an unpublished one). Publishing is
 the classic atomic commit: every file is written and fsynced inside a hidden
 temp directory, then the manifest is written and fsynced, the directory is
 fsynced, it is renamed to ``step-NNNNNNNNN`` and the parent is fsynced. A crash

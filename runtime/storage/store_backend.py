@@ -4,8 +4,9 @@ Two backends keep published snapshots behind one small interface — list the
 published ones, open a new one, write its files, publish it, read, delete:
 
 * :class:`LocalStore` — a directory with temp dir, fsync and rename (the
-  functions of :mod:`store`, unchanged). A memory tier is a LocalStore on
-  ``/dev/shm``; the local cache of a tiered run is a LocalStore too.
+  functions of :mod:`store`, unchanged). The local cache of a tiered run is a
+  LocalStore (the memory tier's ``/dev/shm`` directory follows the same
+  protocol, written through :mod:`store` by a Saver of its own).
 * :class:`ckptrun.runtime.storage.remote_store.FsspecStore` — an object store, where
   each snapshot is an immutable prefix and the manifest written last commits it.
 

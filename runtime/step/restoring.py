@@ -1,0 +1,187 @@
+"""Resuming a run, mixed into :class:`~ckptrun.runtime.step.session.Run`: which snapshot, is it compatible, load it.
+
+Supervised, the snapshot is the one C1 names (the supervisor verified it) and
+one that does not load fails the attempt; unsupervised, rank 0 verifies and
+picks the newest of the lineage and every rank loads its choice, falling back
+to older ones when one verifies but does not load. A snapshot written at
+another world size brings no per-rank state (:mod:`reshard`); a config that
+changed since it was written is refused unless ``--allow-change`` names it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptrun.runtime import collectives, records
+from ckptrun.runtime.checkpoint import snapshot, tiering, train_state
+from ckptrun.runtime.checkpoint.policies import refused_changes
+from ckptrun.runtime.checkpoint.verify import newest_verified
+from ckptrun.runtime.env import RunEnv
+from ckptrun.runtime.step import hparams, reshard, rng
+from ckptrun.runtime.step.exit_codes import EXIT_FAILED
+from ckptrun.runtime.storage import store
+from ckptrun.runtime.worker import timeline
+
+
+def _process_start_time() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+class Restoring:
+    """``restore`` and what it is made of: choose, check, load and apply a snapshot."""
+
+    env: RunEnv
+    rank: int
+    world_size: int
+    run_dir: Path
+    ckpt_dir: Path
+    step: int
+    epoch: int
+    rollbacks: int
+    config: dict[str, Any]
+    changed: dict[str, tuple[Any, Any]]
+    objects: dict[str, Any]
+    code_version: str
+    lineage: str
+    world_history: list[Any]
+    parent: str | None
+    saved_step: int | None
+    restored_from: Path | None
+    saver: Any  # checkpoint.saver.Saver
+    memory: Any  # checkpoint.memory_tier.MemoryTier
+    heart: Any  # worker.liveness.Heartbeater
+    faults: Any  # worker.fault_injection.FaultInjector
+
+    if TYPE_CHECKING:  # provided by Run; stubs here would shadow them in the MRO
+        def _refuse(self, message: str, code: int = ..., fatal: bool = ...) -> None: ...
+        def _exit_quietly(self, code: int) -> None: ...
+
+    def restore(self) -> int:
+        """Load the snapshot this attempt resumes from, if any; returns the step to continue from.
+
+        Supervised: exactly the snapshot named in C1 (the supervisor verified it);
+        if it does not load, this attempt fails. Otherwise rank 0 verifies and
+        picks the newest snapshot of the lineage, falling back to older ones that
+        verify when one does not load, and says why.
+        """
+        self.heart.beat(self.step, "restore")
+        skipped: set[str] = set()
+        while True:
+            chosen = self._choose_snapshot(skipped)
+            if chosen is None:
+                if self.env.exit_after_restore:
+                    self._refuse(f"probe: no verified snapshot in {self.ckpt_dir} to restore", 2, fatal=False)
+                if skipped:
+                    self._refuse(f"no snapshot in {self.ckpt_dir} loads (tried {', '.join(sorted(skipped))}); "
+                                 f"inspect them with `ckptrun verify {self.ckpt_dir}`")
+                return self.step
+            started = time.monotonic()
+            self._check_compatible(snapshot.read_manifest(chosen))
+            try:
+                loaded = self._load(chosen)
+            except snapshot.LoadError as exc:
+                self._restore_failed(chosen, str(exc))
+                skipped.add(chosen.name)
+                continue
+            self._apply(loaded)
+            self.restored_from, self.parent, self.saved_step = chosen, chosen.name, self.step
+            if self.memory.holds(chosen):  # not durable: the next save's parent is its durable one, and a stop saves
+                self.parent, self.saved_step = loaded.manifest.parent, None
+            if self.rank == 0:
+                records.log_event(self.run_dir, "probe_restored" if self.env.exit_after_restore else "restored",
+                                  attempt=self.env.attempt, snapshot=str(chosen), step=self.step,
+                                  seconds=time.monotonic() - started, bytes=loaded.manifest.total_bytes,
+                                  since_process_start=time.time() - _process_start_time(),
+                                  startup={"process": _process_start_time(), **timeline.MARKS},
+                                  verified_by="as loaded" if loaded.manifest.verified_as_loaded else
+                                  "supervisor" if self.env.resume_from else "runtime",
+                                  tier="memory" if self.memory.holds(chosen) else "disk")
+            if self.env.exit_after_restore:
+                self._exit_quietly(0)
+            return self.step
+
+    def _restore_failed(self, path: Path, reason: str) -> None:
+        self._note_unloadable(path, reason)
+        if self.env.resume_from is not None:
+            self._refuse(f"snapshot {path} named for this attempt does not load: {reason}", EXIT_FAILED, fatal=False)
+
+    def _choose_snapshot(self, skipped: set[str]) -> Path | None:
+        if self.env.resume_from is not None:
+            return self.env.resume_from
+        if self.env.supervised:
+            return None
+        return self._newest_verified(skipped)
+
+    def _newest_verified(self, skipped: set[str]) -> Path | None:
+        """Rank 0 verifies and picks, every rank gets its choice (ranks must agree on what they load)."""
+        choice = None
+        if self.rank == 0 and self.saver.remote is not None:  # an object store: its manifests decide (runtime.tiering)
+            found = tiering.choose_for_worker(self.saver.remote, self.ckpt_dir, self.run_dir, skipped,
+                                              log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
+            choice = str(found) if found else None
+        elif self.rank == 0:
+            report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), skip=skipped,
+                                     at_load=True)  # chunked snapshots: sizes here, every byte verified as loaded
+            choice = str(report.path) if report else None
+        choice = collectives.broadcast_object(choice)
+        return Path(choice) if choice else None
+
+    def _note_unloadable(self, path: Path, reason: str) -> None:
+        if self.rank == 0:
+            records.log_event(self.run_dir, "restore_failed", attempt=self.env.attempt, snapshot=str(path), reason=reason)
+            print(f"ckptrun: snapshot {path.name} does not load: {reason}", file=sys.stderr, flush=True)
+
+    def _load_newest(self) -> tuple[Path, snapshot.Loaded] | None:
+        """The newest verified snapshot that loads; those that verify but do not load are reported and skipped."""
+        skipped: set[str] = set()
+        while (path := self._newest_verified(skipped)) is not None:
+            try:
+                return path, self._load(path)
+            except snapshot.LoadError as exc:  # raised on every rank alike
+                self._note_unloadable(path, str(exc))
+                skipped.add(path.name)
+        return None
+
+    def _load(self, path: Path) -> snapshot.Loaded:
+        """Load a snapshot; one written at another world size brings no per-rank files (see :mod:`reshard`)."""
+        return snapshot.load(path, rank_files=snapshot.read_manifest(path).world_size == self.world_size,
+                             live=train_state.live_tensors(self.objects))
+
+    def _check_compatible(self, manifest: snapshot.Manifest) -> None:
+        if manifest.world_size != self.world_size and not self.env.allow_reshard:
+            self._refuse(reshard.refusal(manifest, self.world_size))
+        changed = refused_changes(manifest.config, self.config, self.env.allow_changes)
+        if changed:
+            detail = ", ".join(f"{k}: {manifest.config.get(k)!r} -> {self.config.get(k)!r}" for k in changed)
+            self._refuse(f"config changed since snapshot step {manifest.step} ({detail}); "
+                         f"allow it with --allow-change {','.join(changed)} or start a new run")
+        self.changed = hparams.config_changes(manifest.config, self.config)
+        if self.changed and self.rank == 0:
+            records.log_event(self.run_dir, "config_changed", step=manifest.step, changed=self.changed)
+            detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in self.changed.items())
+            print(f"ckptrun: config changed since snapshot step {manifest.step}: {detail}", file=sys.stderr, flush=True)
+        if manifest.code_version and manifest.code_version != self.code_version and self.rank == 0:
+            records.log_event(self.run_dir, "code_changed", snapshot_code=manifest.code_version, code=self.code_version)
+            print(f"ckptrun: note: the training script changed since snapshot step {manifest.step}", file=sys.stderr)
+
+    def _apply(self, loaded: snapshot.Loaded) -> None:
+        tree = loaded.shared_tree
+        for name in self.objects:
+            if name not in tree["objects"]:
+                self._refuse(f"snapshot has no state for {name!r} (tracked now, not when it was saved)")
+        train_state.apply(self.objects, tree["objects"], loaded.shared_tensors)
+        self.step = tree["counters"]["step"]
+        self.epoch = tree["counters"].get("epoch", 0)
+        self.rollbacks = tree["counters"].get("rollbacks", 0)
+        if not loaded.rank_tree:  # written at another world size: per-rank state does not carry over
+            reshard.reseed(self.env.seed, self.step, self.rank)
+            reshard.record(self, loaded.manifest)
+        elif not self.faults.has("skip-rng-restore"):
+            rng.restore(loaded.rank_tree["rng"], loaded.rank_tensors)
+        self.world_history = reshard.history(loaded.manifest, self.world_size, self.step)
+        self.lineage = store.read_lineage(self.ckpt_dir).current if store.read_lineage(self.ckpt_dir) else loaded.manifest.lineage
