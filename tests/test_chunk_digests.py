@@ -20,7 +20,6 @@ from snapshot_factory import flip_byte, make_snapshot, manifest_dict, write_mani
 from workers import run_job, shared_tensors
 
 from ckptrun.runtime.checkpoint import snapshot
-
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.dcp_io import load_metadata
 from ckptrun.runtime.hashing import SUB_CHUNK, HashingWriter, chunks_digest, entry_hasher, hash_file

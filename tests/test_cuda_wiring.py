@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ckptrun.runtime import collectives
-
 from ckptrun.runtime.step import stepper
 from ckptrun.runtime.step.precision import Policy, resolve
 

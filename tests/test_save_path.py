@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from ckptrun.runtime.checkpoint import snapshot, zip_crc
-
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.saver import Saver
 from ckptrun.runtime.checkpoint.treecodec import split

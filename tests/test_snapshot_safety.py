@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from ckptrun.runtime.checkpoint import dcp_io, snapshot
-
 from ckptrun.runtime import hashing, records
-
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.dcp_io import load_metadata
 from ckptrun.runtime.hashing import hash_file

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from ckptrun.runtime import collectives, records
-
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.checkpoint.saver import Saver

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckptrun.runtime import collectives
-
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import Manifest, read_manifest
 from ckptrun.runtime.storage.remote_store import FsspecStore

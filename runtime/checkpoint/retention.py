@@ -23,7 +23,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptrun.runtime import records
-
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.policies import Retention
 from ckptrun.runtime.storage.remote_store import FsspecStore

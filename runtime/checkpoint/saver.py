@@ -31,9 +31,7 @@ import psutil
 import torch
 
 from ckptrun.runtime import collectives, hashing
-
 from ckptrun.runtime.checkpoint import pacing
-
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.remote_publish import upload
 from ckptrun.runtime.storage.remote_store import FsspecStore

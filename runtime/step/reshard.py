@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 from ckptrun.runtime import records
-
 from ckptrun.runtime.step import rng
 from ckptrun.runtime.manifest import Manifest
 

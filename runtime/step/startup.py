@@ -17,11 +17,8 @@ from typing import Any
 import torch
 
 from ckptrun.runtime import collectives, records
-
 from ckptrun.runtime.step import rng
-
 from ckptrun.runtime.storage import store
-
 from ckptrun.runtime.worker import timeline
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.worker.liveness import enable_stack_dumps, watch_supervisor
