@@ -306,7 +306,8 @@ class Run(LoopShapes, StepEnd):
                 recorder.phase = "optimizer"
                 recorder.note_gradients([p for g in optimizer.param_groups for p in g["params"]])
             stats = stepper.optimizer_step(model, optimizer, self.scaler, max_norm,
-                                           count_zeros=self.precision.autocast_dtype is not None)
+                                           count_zeros=self.precision.autocast_dtype is not None
+                                           and stepper.zero_count_due(self.step, self.exchange.every))
         if recorder is not None:
             write_report(self.run_dir, self.precision.decision, recorder, list(model.parameters()), optimizer)
         if not stats.skipped:
@@ -475,7 +476,8 @@ class Run(LoopShapes, StepEnd):
         rng_tree, rng_tensors = rng.capture()
         counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
         shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases}
-        return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors)
+        return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors,
+                              first_rank_keys=train_state.first_rank_keys(self.objects))
 
     def _info(self) -> snapshot.SnapshotInfo:
         loader = self.objects.get("loader")
