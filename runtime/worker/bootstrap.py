@@ -33,7 +33,7 @@ import time
 import traceback
 from types import CodeType
 
-from ckptrun.runtime.worker import step_hook, timeline
+from ckptrun.runtime.worker import determinism, step_hook, timeline
 from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.worker.liveness import enable_stack_dumps, watch_supervisor
 
@@ -152,6 +152,7 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:
         if id(exc) not in _recorded:
             record_failure(exc, "run")
+        determinism.refuse_if_nondeterministic(exc)  # torch's "no deterministic implementation": one line, exit 4
         raise
 
 
