@@ -4,7 +4,8 @@ What needs a GPU (NCCL, streams, pinned copies, device memory) is `make gpu-chec
 the agent and the standby run with the NVML-based CUDA check and make no CUDA call of their own
 (torch.cuda functions patched to record, in a real agent that forks a real rank); a forked rank
 that finds CUDA poisoned (C1's ``bad-fork`` fault) makes the agent spawn the ranks instead and
-the run completes exactly; FSDP2 staging builds a host DTensor without ``from_local``; a
+the run completes exactly; FSDP2 staging builds a host DTensor without ``from_local``; staging
+on a GPU makes the training stream wait for its copies (as calls on recording stand-ins); a
 BatchNorm DDP job under async saves, its script making its own process group (both orders),
 resumes bitwise; a default group without a CPU backend gets a gloo group beside it;
 ``zero_grad_fraction`` on FSDP2 counts globally; torch's determinism error becomes one line and
@@ -175,6 +176,67 @@ def test_staging_a_dtensor_builds_a_host_dtensor_without_from_local(one_rank_gro
         assert staged.to_local().data_ptr() == buffer.data_ptr()  # the reused buffer itself, no copy
         assert staged.placements == weight.placements and staged.shape == weight.shape
     assert torch.equal(second.to_local(), weight.to_local())
+
+
+# --- item 3: what staging fences on a GPU, as calls (the streams themselves need `make gpu-check`) -----------
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA and records ``record_stream`` (torch.cuda itself is not touched)."""
+
+    log: list[tuple] = []
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    def record_stream(self, stream: object) -> None:  # type: ignore[override]
+        self.log.append(("record_stream", stream))
+
+
+def test_staging_on_a_gpu_makes_the_training_stream_wait_for_its_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptrun.runtime.checkpoint import staging
+
+    log: list[tuple] = []
+    _CudaLooking.log = log
+
+    class Stream:
+        def __init__(self, name: str = "side") -> None:
+            self.name = name
+
+        def wait_stream(self, other: "Stream") -> None:
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event: "Event") -> None:
+            log.append(("wait_event", self.name, event.stream))
+
+    class Event:
+        stream = None
+
+        def record(self, stream: Stream) -> None:
+            self.stream = stream.name
+            log.append(("event_record", stream.name))
+
+        def synchronize(self) -> None:
+            log.append(("cpu_waits", self.stream))
+
+    training = Stream("training")
+    real_empty = torch.empty
+    monkeypatch.setattr(staging.torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(staging.torch.cuda, "Event", Event)
+    monkeypatch.setattr(staging.torch.cuda, "current_stream", lambda: training)
+    monkeypatch.setattr(staging.torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(staging.torch, "empty", lambda *a, pin_memory=False, **k: log.append(("pinned", pin_memory))
+                        or real_empty(*a, **k))
+    stager = staging.Stager()
+    source = torch.arange(6.0).as_subclass(_CudaLooking)
+    staged = stager.stage({"bn.running_mean": source})
+    assert torch.equal(staged["bn.running_mean"], torch.arange(6.0))
+    side = stager._stream
+    assert log == [("wait_stream", "side", "training"), ("pinned", True), ("record_stream", side),
+                   ("event_record", "side"), ("wait_event", "training", "side")], log  # no CPU wait in stage()
+    stager.fence()  # the writer's wait, before it reads the buffers
+    assert log[-1] == ("cpu_waits", "side")
 
 
 # --- item 4: a default group without a CPU backend ------------------------------------------------
