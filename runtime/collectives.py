@@ -3,7 +3,10 @@
 On CUDA the worker joins one process group with two backends: the decisions
 the ranks share (this module's collectives, the fp16 found-inf flag, snapshot
 coordination) are CPU tensors and ride gloo; model tensors (DDP, FSDP2) stay
-on the device and ride NCCL. An NCCL-only group rejects CPU tensors.
+on the device and ride NCCL. An NCCL-only group rejects CPU tensors: when the
+script made the default group itself (``dist.init_process_group("nccl")`` before
+``ckr.init()``, as most GPU scripts do), :func:`ensure_cpu_group` adds a gloo group
+of all ranks beside it and every collective here rides that one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,38 @@ import torch.distributed as dist
 
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 CPU = torch.device("cpu")
+_cpu_group: Any = None  # a gloo group beside a default group without a CPU backend (ensure_cpu_group)
+
+
+class NoCpuBackend(RuntimeError):
+    """The default process group cannot carry CPU tensors and no gloo group can be added."""
+
+
+def has_cpu_backend(config: str) -> bool:
+    """Whether a backend config (``dist.get_backend_config()``: "gloo", "nccl", "cpu:gloo,cuda:nccl") carries
+    CPU tensors: a ``cpu:`` entry, or a backend torch registers for the CPU device."""
+    for part in config.lower().split(","):
+        device, _, backend = part.strip().rpartition(":")
+        if device == "cpu" or (not device and "cpu" in dist.Backend.backend_capability.get(backend, [])):
+            return True
+    return False
+
+
+def ensure_cpu_group() -> Any:
+    """The group this module's collectives use: the default one when it carries CPU tensors, else a gloo group
+    of all ranks made once, now (every rank calls this at the same point: ``init()``)."""
+    global _cpu_group
+    if _cpu_group is not None or not active() or has_cpu_backend(dist.get_backend_config()):
+        return _cpu_group
+    if not dist.is_gloo_available():
+        raise NoCpuBackend(f"the default process group ({dist.get_backend_config()}) carries no CPU tensors and this "
+                           "torch has no gloo; create it with backend=\"cpu:gloo,cuda:nccl\"")
+    _cpu_group = dist.new_group(backend="gloo")
+    return _cpu_group
+
+
+def _group(group: Any) -> Any:
+    return _cpu_group if group is None else group
 
 
 def backend_for(device_type: str) -> str:
@@ -54,7 +89,7 @@ def world_size() -> int:
 
 def barrier(group: Any = None) -> None:
     if active():
-        dist.barrier(group=group)
+        dist.barrier(group=_group(group))
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
@@ -62,7 +97,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group, device=CPU)
+    dist.broadcast_object_list(box, src=src, group=_group(group), device=CPU)
     return box[0]
 
 
@@ -71,7 +106,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     if not active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, obj, group=_group(group))
     return out
 
 
@@ -111,7 +146,7 @@ def start_sum(values: list[float]) -> PendingSum:
     if not active() or dist.get_world_size() == 1:
         return PendingSum([float(v) for v in values])
     tensor = torch.tensor(values, dtype=torch.float64, device=CPU)
-    return PendingSum(values, tensor, dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
+    return PendingSum(values, tensor, dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_cpu_group, async_op=True))
 
 
 class PendingRows:
@@ -142,4 +177,4 @@ def start_gather(values: list[float]) -> PendingRows:
         return PendingRows([[float(v) for v in values]])
     tensor = torch.tensor(values, dtype=torch.float64, device=CPU)
     rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    return PendingRows([], rows, dist.all_gather(rows, tensor, async_op=True))
+    return PendingRows([], rows, dist.all_gather(rows, tensor, group=_cpu_group, async_op=True))

@@ -15,6 +15,8 @@ Grammar, several specs joined by ``;``::
     inf-grad:rank=R:step=S            test only: inf in this rank's gradient in the step after S (fp16)
     enospc[:rank=R][:step=S]          test only: this rank's snapshot writes fail with ENOSPC from step S on
     skip-rng-restore                  test only: restore everything except the RNG states
+    bad-fork[:rank=R]                 test only: a forked (warm) rank sees ``torch.cuda._is_in_bad_fork()`` as
+                                      True, as after a CUDA init in its agent (runtime/worker/fork_safety.py)
 
 Each fires on the first attempt only unless ``attempt=N`` or ``attempt=any`` is given.
 """
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore")
+KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore",
+         "bad-fork")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish", "upload", "before-commit")  # the last two: object-store saves
 
 

@@ -102,7 +102,7 @@ def test_control_plane_collectives_use_cpu_tensors_and_the_snapshot_group_is_glo
 
     collective = [(name, args, kwargs) for name, args, kwargs in calls if name in ("all_reduce", "broadcast", "all_gather")]
     assert {name for name, *_ in collective} == {"all_reduce", "broadcast", "all_gather"}
-    assert sum(name == "all_reduce" for name, *_ in collective) == 2  # all_reduce_sum and the found-inf flag
+    assert sum(name == "all_reduce" for name, *_ in collective) == 3  # all_reduce_sum, the found-inf flag, zero grads
     devices = {t.device for _, args, kwargs in collective for t in _tensors(args, kwargs)}
     assert devices == {torch.device("cpu")}
     [(_, args, kwargs)] = [c for c in calls if c[0] == "new_group"]

@@ -15,7 +15,9 @@ process (it imports torch); the CLI never imports it.
 With warm workers (``--start-method fork --run-path runtime/worker/warm_start.py``, see that module) the ranks
 are forked from this process: what it has loaded is frozen out of the garbage collector first (fewer
 copied pages in each rank), and torch's log line about a failed forked rank is kept without the agent's
-traceback (formatting it imports ``torch._dynamo``: seconds, on the restart's critical path).
+traceback (formatting it imports ``torch._dynamo``: seconds, on the restart's critical path). The agent runs with
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` and touches no ``torch.cuda`` itself, so that its ranks can use CUDA after
+the fork; should they not, it runs the attempt again with spawned ranks (:mod:`fork_fallback`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from ckptrun.cli.supervision import fork_fallback
 from ckptrun.cli.supervision.attempt import kill_all, wait_gone
 from ckptrun.cli.supervision.failures import RankFailure, from_error_file, write_failures
 from ckptrun.cli.supervision.warm_ranks import RankEnds
@@ -52,13 +55,25 @@ def main(argv: list[str]) -> int:
         print("usage: python -m ckptrun.cli.supervision.agent FAILURES_JSON [TORCHRUN ARGS...]", file=sys.stderr)
         return 2
     record, torchrun_args = Path(argv[0]), argv[1:]
+    os.environ.update(fork_fallback.CUDA_FORK_SAFE)  # before torchrun reads its config (LaunchConfig.__post_init__)
     _watch_supervisor()
     logging.getLogger(FORKED_RANKS_LOGGER).addFilter(_without_traceback)
     ends = _forked_rank_ends(torchrun_args)
+    gc.freeze()  # what is loaded now is never collected: ranks forked from here (warm workers) copy fewer pages
+    code = _torchrun(record, torchrun_args, ends)
+    refused = fork_fallback.bad_fork_ranks(ends.pid_dir) if ends is not None and code != 0 else []
+    if refused:  # the forked ranks could not use CUDA: this attempt again, with spawned ranks
+        fork_fallback.announce(refused)
+        record.unlink(missing_ok=True)  # the forked round's failures are not this attempt's
+        code = _torchrun(record, fork_fallback.spawn_args(torchrun_args), None)
+    return code
+
+
+def _torchrun(record: Path, torchrun_args: list[str], ends: RankEnds | None) -> int:
+    """Run torchrun once; on failure write the failures record (``ends``: forked ranks' ends, see warm_ranks)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    gc.freeze()  # what is loaded now is never collected: ranks forked from here (warm workers) copy fewer pages
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as exc:

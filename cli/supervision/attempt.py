@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Collection, Iterable, Mapping
 
 import psutil
 
+from ckptrun.cli.supervision.fork_fallback import with_cuda_fork_safety
 from ckptrun.runtime.env import variable
 
 if TYPE_CHECKING:  # annotations only: the agent process imports this module and must start fast
@@ -82,7 +83,7 @@ class AttemptProcess:
         console_log.parent.mkdir(parents=True, exist_ok=True)
         if popen is None:
             with open(console_log, "ab") as log:
-                popen = subprocess.Popen(command, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                popen = subprocess.Popen(command, env=with_cuda_fork_safety(dict(env)), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
         self.popen = popen
         self.started = time.time()
@@ -115,7 +116,7 @@ class AttemptProcess:
             if facts is not None:
                 self.ranks[facts["rank"]] = child
                 self.local_world_size = facts["local_world_size"]
-            return
+                return  # else: a rank spawned after all (fork_fallback.py), or one not yet exec'd or named
         try:
             environ = child.environ()
         except psutil.Error:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Mapping
 import psutil
 
 from ckptrun.cli.supervision.attempt import AttemptProcess
+from ckptrun.cli.supervision.fork_fallback import CUDA_FORK_SAFE, with_cuda_fork_safety
 from ckptrun.runtime.env import PREFIX
 
 AGENT_MODULE = "ckptrun.cli.supervision.agent"
@@ -54,7 +55,7 @@ class Standby:
         log.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", STANDBY_MODULE, run_id, *(["--warm"] if warm else [])]  # the run id names it
         with open(log, "ab") as stream:
-            self.popen = subprocess.Popen(argv, env=dict(env), stdin=subprocess.PIPE, stdout=stream,
+            self.popen = subprocess.Popen(argv, env=with_cuda_fork_safety(dict(env)), stdin=subprocess.PIPE, stdout=stream,
                                           stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
         self.started = time.time()
 
@@ -70,7 +71,7 @@ class Standby:
         """Hand over the attempt: ``command`` is the agent command a fresh start would run. Returns the process."""
         if command[1:3] != ["-m", AGENT_MODULE]:
             raise ValueError(f"not an agent command: {command[:3]}")
-        word = {"argv": command[3:], "env": dict(env), "console_log": str(console_log),
+        word = {"argv": command[3:], "env": with_cuda_fork_safety(dict(env)), "console_log": str(console_log),
                 "cwd": str(cwd) if cwd is not None else None}
         assert self.popen.stdin is not None
         self.popen.stdin.write((json.dumps(word) + "\n").encode())
@@ -159,6 +160,7 @@ def _take_over(word: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     started = psutil.Process().create_time()
+    os.environ.update(CUDA_FORK_SAFE)  # whatever it imports asks NVML, never the CUDA driver: it forks ranks
     # The costly part, done before the word: torchrun (and with it torch) and the agent.
     import torch.distributed.run  # noqa: F401
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: F401

@@ -24,6 +24,7 @@ from ckptrun.cli.errors import debug_enabled
 from ckptrun.cli.progress import Progress, Status
 from ckptrun.cli.supervision.attempt import (NODE_VARIABLE, RUN_ID_VARIABLE, WARM_PIDS, AttemptProcess, torchrun_args,
                                               torchrun_command)
+from ckptrun.cli.supervision.fork_fallback import EVENT as WARM_WORKERS_OFF, fallback_line, warm_workers_refused
 from ckptrun.cli.supervision.failures import CONSOLE_NAME, FAILURES_NAME, RankFailure, rank_log, read_failures, stderr_tail
 from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot
 from ckptrun.cli.supervision.policy import STACK_WAIT_S
@@ -139,6 +140,8 @@ class LocalWorld:
         env.update(self.run_env(attempt, resume_from).to_env())
         # console.log gets [rankN]: lines as they are printed (prints reach a file, not a terminal: unbuffered)
         env.update({PREFIX_VARIABLE: PREFIX_TEMPLATE, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED") or "1"})
+        if self.warm and warm_workers_refused(self.paths.root):  # forked ranks found CUDA poisoned: spawn from now on
+            self.warm = self.standby.warm = False
         warm_pids = log_dir / WARM_PIDS if self.warm else None  # ranks forked from the agent (runtime/worker/warm_start.py)
         command = torchrun_command(log_dir / FAILURES_NAME, torchrun_args(self.spec, log_dir), self.target, warm_pids)
         self.identity = {k: env[k] for k in (RUN_ID_VARIABLE, NODE_VARIABLE) if k in env}
@@ -182,6 +185,8 @@ class LocalWorld:
                 self.snapshot_step = self.attempt_snapshot = record.get("step")
             elif record.get("event") == "restored" and record.get("attempt") == self.attempt:
                 self.snapshot_step = record.get("step")  # what the ranks restored: a memory-tier one may be newer
+            elif record.get("event") == WARM_WORKERS_OFF:
+                self.say(fallback_line(record))
             elif record.get("event") == "cadence" and not self.cadence_told:
                 self.cadence_told = True
                 self.say(f"save cadence: a snapshot every {format_duration(record.get('interval_s'))} ({record.get('reason')}; "

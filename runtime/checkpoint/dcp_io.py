@@ -292,17 +292,20 @@ def allocate_from_metadata(metadata: Metadata, keys: list[str],
     return out
 
 
-def owned_keys(tensors: dict[str, torch.Tensor], group: Any = None) -> set[str]:
+def owned_keys(tensors: dict[str, torch.Tensor], group: Any = None, first_rank: frozenset[str] = frozenset()) -> set[str]:
     """The keys this rank writes under DCP's own save plan: every shard it holds and, of the tensors
     replicated on several ranks, those DCP's de-duplication assigns to it. Collective on ``group``.
 
+    ``first_rank``: keys held by every rank that only rank 0's copy of is right (DDP's buffers, see
+    :func:`train_state.first_rank_keys`): rank 0 writes them, whatever the balancing chose.
     Each rank then stages and saves only these; the union over ranks is the whole state, once.
     """
     planner = DefaultSavePlanner()
     planner.set_up_planner(tensors, is_coordinator=collectives.rank() == 0)
     plans = collectives.all_gather_object(planner.create_local_plan(), group=group)
-    mine = dedup_save_plans(plans)[collectives.rank()]
-    return {item.index.fqn for item in mine.items}
+    mine = {item.index.fqn for item in dedup_save_plans(plans)[collectives.rank()].items}
+    pinned = first_rank & set(tensors)
+    return mine | pinned if collectives.rank() == 0 else mine - pinned
 
 
 def tensor_table(metadata: Metadata) -> dict[str, tuple[list[int], str]]:

@@ -44,13 +44,15 @@ class OwnedKeys:
         self._keys: set[str] = set()
         self.plans_made = 0  # how often the collective planner ran (the rest were cache hits)
 
-    def __call__(self, tensors: dict[str, torch.Tensor], group: Any = None) -> set[str]:
-        """Collective on ``group`` (except in a world of one): every rank calls it at the same save."""
+    def __call__(self, tensors: dict[str, torch.Tensor], group: Any = None,
+                 first_rank: frozenset[str] = frozenset()) -> set[str]:
+        """Collective on ``group`` (except in a world of one): every rank calls it at the same save.
+        ``first_rank``: keys only rank 0 writes (see :func:`dcp_io.owned_keys`)."""
         if collectives.world_size() == 1:
             return set(tensors)
-        digests = collectives.all_gather_object(layout_digest(tensors), group=group)
+        digests = collectives.all_gather_object(layout_digest(tensors) + "|" + ",".join(sorted(first_rank)), group=group)
         if digests != self._digests:
-            self._keys = owned_keys(tensors, group)
+            self._keys = owned_keys(tensors, group, first_rank)
             self._digests = digests
             self.plans_made += 1
         return set(self._keys)

@@ -78,8 +78,10 @@ class Saver:
         self.last_published: tuple[int, str] | None = None  # (step, tensor digest) of this process's last save
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
-        """The next step of ``optimizer`` waits until the last device-to-host copy has read the weights."""
-        optimizer.register_step_pre_hook(lambda *_: self.stager.fence())
+        """Nothing to hook on ``optimizer`` any more: the training stream itself waits, on the GPU, for the last
+        device-to-host copy before anything after staging runs (:mod:`staging`), and a CPU wait before the
+        step would fence only the optimizer, not the next forward's in-place buffer writes."""
+        del optimizer
 
     def busy(self) -> bool:
         return self.pending is not None and not self.pending.done()
@@ -95,7 +97,7 @@ class Saver:
         if self.busy() and self.overlap == "skip":
             return self._refused(info.step, "skipped: the previous save is still in flight", on_result)
         waited += self._settle(wait=True)
-        owned = self.owned(state.shared_tensors, self.group)
+        owned = self.owned(state.shared_tensors, self.group, state.first_rank_keys)
         mine = {key: tensor for key, tensor in state.shared_tensors.items() if key in owned}
         problem = self._preflight(state, mine)
         if problem:

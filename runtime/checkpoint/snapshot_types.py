@@ -41,6 +41,7 @@ class State:
     rank_tree: dict[str, Any]
     rank_tensors: dict[str, torch.Tensor]
     staged_bytes: int = 0  # host buffer bytes holding this rank's share of ``shared_tensors``
+    first_rank_keys: frozenset[str] = frozenset()  # of ``shared_tensors``: only rank 0's copy is right (DDP buffers)
     allocated_bytes: int = 0  # of which newly allocated by this save
 
 

@@ -2,13 +2,24 @@
 
 First touch of new memory is slow, so buffers persist across saves. A rank
 stages only the tensors it writes (see :func:`dcp_io.owned_keys`): FSDP2's
-DTensors as their local shard, re-wrapped so DCP still sees the global tensor.
+DTensors as their local shard, in a *host* DTensor built once per buffer the way
+DCP's own staging builds one (``torch/distributed/_state_dict_utils.py``, its
+``dtensor_func``: a CPU DTensor whose local tensor is the pinned buffer), so DCP
+still sees the global tensor. Never ``DTensor.from_local(buffer, mesh)``: on a
+CUDA mesh that moves the buffer back to the GPU (``torch/distributed/tensor/_api.py``),
+a second device copy of the state at every save. Staging allocates no device memory.
 
-On a GPU the device-to-host copy runs on one side stream that first waits for
-the current (training) stream, so it reads the weights as of this step; the
-buffers are pinned. An event recorded after the copies is what :meth:`Stager.fence`
-waits on: before the next optimizer step overwrites the weights (an optimizer
-pre-hook), before the next staging call, and before the writer reads the buffers.
+What is fenced, on a GPU. The device-to-host copies run on one side stream that
+first waits for the current (training) stream, so they read the state as of this
+step; the buffers are pinned, so the copies are asynchronous for the CPU. Then the
+training stream waits (``wait_event``, on the GPU: the CPU does not block) for an event
+recorded after the copies: nothing the training stream queues after staging (the next
+forward's in-place writes — BatchNorm running statistics, DDP's ``broadcast_buffers``,
+spectral-norm vectors — the backward, the optimizer step) can run before every tensor
+was read. Each source tensor is marked in use by the side stream (``record_stream``), so
+the allocator does not hand a freed temporary's memory to the training stream early.
+The CPU waits on the same event (:meth:`Stager.fence`) only before the writer reads the
+buffers and before the next staging call reuses them. On the CPU the copies are synchronous.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._hosts: dict[str, DTensor] = {}  # key -> the host DTensor around its buffer (FSDP2 shards)
         self._event: Any = None
         self._stream: Any = None
 
@@ -49,12 +61,14 @@ class Stager:
         """Copy ``tensors`` into the buffers; buffers of keys no longer staged are freed."""
         self.fence()  # the previous copy is done before its buffers are reused
         self._buffers = {k: b for k, b in self._buffers.items() if k in tensors}
+        self._hosts = {k: h for k, h in self._hosts.items() if k in tensors}
         on_gpu = any(local(t).is_cuda for t in tensors.values())
         with self._copy_stream() if on_gpu else contextlib.nullcontext():
             staged = {key: self._copy(key, tensor) for key, tensor in tensors.items()}
         if on_gpu:
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
+            torch.cuda.current_stream().wait_event(self._event)  # training's next kernels run after the copies
         return staged
 
     @contextlib.contextmanager
@@ -70,12 +84,22 @@ class Stager:
         source = local(tensor).detach()
         if not self._fits(key, source):
             self._buffers[key] = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda)
+            self._hosts.pop(key, None)
         buffer = self._buffers[key]
+        if source.is_cuda:
+            source.record_stream(self._stream)
         buffer.copy_(source, non_blocking=source.is_cuda)
         if isinstance(tensor, DTensor):
-            return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements, run_check=False,
-                                      shape=tensor.shape, stride=tensor.stride())
+            return self._host_dtensor(key, tensor, buffer)
         return buffer
+
+    def _host_dtensor(self, key: str, tensor: DTensor, buffer: torch.Tensor) -> DTensor:
+        """The global tensor as DCP sees it, its local tensor ``buffer`` on the host: DCP's own construction
+        (``_state_dict_utils``: a CPU DTensor with the buffer as ``_local_tensor``), made once per buffer."""
+        host = self._hosts.get(key)
+        if host is None or host._spec != tensor._spec:
+            host = self._hosts[key] = DTensor(buffer, tensor._spec, requires_grad=False)
+        return host
 
     def fence(self) -> None:
         """Block until the last device-to-host copy is complete (a no-op on CPU and once it is)."""

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel
 
 from ckptrun.runtime.checkpoint.staging import local
 from ckptrun.runtime.checkpoint.treecodec import join, split
@@ -91,6 +92,17 @@ def collect(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Te
         tensors.update(own)
     aliases = tied(tensors)
     return trees, {k: t for k, t in tensors.items() if k not in aliases}, aliases
+
+
+def first_rank_keys(objects: dict[str, Any]) -> frozenset[str]:
+    """Stored keys of the buffers of DDP models that sync buffers (``broadcast_buffers``, the default): between
+    steps each rank holds its own update (BatchNorm's running statistics from its own batch) and the next
+    forward replaces them with rank 0's, so rank 0's copy is the state and must be the one saved."""
+    keys: set[str] = set()
+    for name, obj in objects.items():
+        if isinstance(obj, DistributedDataParallel) and obj.will_sync_module_buffers():
+            keys.update(f"{name}.{buffer}" for buffer, _ in unwrap(obj).named_buffers())
+    return frozenset(keys)
 
 
 def tied(tensors: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -159,7 +159,8 @@ class Saving:
         rng_tree, rng_tensors = rng.capture()
         counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
         shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases}
-        return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors)
+        return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors,
+                              first_rank_keys=train_state.first_rank_keys(self.objects))
 
     def _info(self) -> snapshot.SnapshotInfo:
         loader = self.objects.get("loader")

@@ -176,7 +176,8 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving):
                 recorder.phase = "optimizer"
                 recorder.note_gradients([p for g in optimizer.param_groups for p in g["params"]])
             stats = stepper.optimizer_step(model, optimizer, self.scaler, max_norm,
-                                           count_zeros=self.precision.autocast_dtype is not None)
+                                           count_zeros=self.precision.autocast_dtype is not None
+                                           and stepper.zero_count_due(self.step, self.exchange.every))
         if recorder is not None:
             write_report(self.run_dir, self.precision.decision, recorder, list(model.parameters()), optimizer)
         if not stats.skipped:

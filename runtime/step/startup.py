@@ -45,6 +45,10 @@ def init(config: dict[str, Any] | None = None, precision: str | None = None) -> 
         collectives.start(collectives.worker_device())
         timeline.mark("process_group")
     try:
+        collectives.ensure_cpu_group()  # the script's own group (e.g. NCCL only): decisions ride gloo beside it
+    except collectives.NoCpuBackend as exc:
+        _refuse_early(env, str(exc), 2)
+    try:
         decision = resolve(env.precision)
     except PrecisionUnavailable as exc:
         _refuse_early(env, f"precision {env.precision} cannot run here: {exc}", 2)

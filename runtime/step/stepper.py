@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ckptrun.runtime import collectives
+from ckptrun.runtime.checkpoint.staging import local
 from ckptrun.runtime.step.precision import Policy, to_float
 
 
@@ -98,11 +99,22 @@ def _agree_on_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
             flag.fill_(1.0)
 
 
+def zero_count_due(step: int, every: int) -> bool:
+    """Whether the step after ``step`` counts zero gradients: once per ``every`` steps (the decision cadence,
+    the same on every rank, so the counting collective is too)."""
+    return (step + 1) % max(1, every) == 0
+
+
 def _zero_fraction(parameters: list[torch.Tensor]) -> float:
-    """Fraction of exactly-zero gradient elements: a cheap underflow signal."""
-    nonzero, total = 0, 0
-    for p in parameters:
-        if p.grad is not None:
-            nonzero += int(torch.count_nonzero(p.grad))
-            total += p.grad.numel()
-    return 1.0 - nonzero / total if total else 0.0
+    """Fraction of exactly-zero gradient elements over all ranks: a cheap underflow signal.
+
+    Counted on each rank's own elements (a DTensor gradient's local shard: FSDP2 holds a shard, and its
+    ``numel()`` is the global size), in one device tensor read once, then summed over ranks in one
+    reduction (replicated DDP gradients count on every rank alike: the fraction is the same)."""
+    grads = [local(p.grad) for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    nonzero = int(torch.stack([torch.count_nonzero(g) for g in grads]).sum()) if any(g.numel() for g in grads) else 0
+    total = sum(g.numel() for g in grads)
+    nonzero_all, total_all = collectives.all_reduce_sum([float(nonzero), float(total)])
+    return 1.0 - nonzero_all / total_all if total_all else 0.0

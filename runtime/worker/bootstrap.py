@@ -32,7 +32,7 @@ import sys
 import time
 from types import CodeType
 
-from ckptrun.runtime.worker import step_hook, timeline
+from ckptrun.runtime.worker import determinism, step_hook, timeline
 from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.worker.liveness import enable_stack_dumps, watch_supervisor
 from ckptrun.runtime.worker.user_traceback import format_user_exception, print_user_exception
@@ -152,6 +152,7 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt as exc:
         if id(exc) not in _recorded:
             record_failure(exc, "run")
+        determinism.refuse_if_nondeterministic(exc)  # torch's "no deterministic implementation": one line, exit 4
         raise
     except BaseException as exc:  # printed from the user's first frame (user_traceback), exit 1 as Python's own
         if id(exc) not in _recorded:

@@ -13,10 +13,14 @@ A forked process is not a fresh interpreter, so before the script runs this make
 * **Found by the supervisor.** ``/proc/PID/environ`` of a forked process is its parent's exec-time
   environment: no ``RANK`` there. Each rank writes ``PID_DIR/rank-<RANK>.json`` (its pid, its local
   world size) first thing; the supervisor adopts ranks from those files (``attempt.py``).
-* **Same threads as a cold start.** libgomp read ``OMP_NUM_THREADS`` when the agent loaded torch, before
-  torchrun set it (``1`` per rank when several share a node): the rank applies the value its
-  environment holds now with ``torch.set_num_threads``. The agent never runs a parallel region, so no
-  OpenMP pool exists to be inherited.
+* **CUDA usable, or spawned instead.** First of all the rank checks ``torch.cuda._is_in_bad_fork()``
+  (:mod:`fork_safety`): if its agent initialised CUDA, it leaves at once and the agent spawns the
+  ranks instead. A rank that may use CUDA binds ``LOCAL_RANK``'s GPU, as ``init()`` does.
+* **No inherited listening sockets.** The agent's rendezvous socket is closed in the rank.
+* **Same threads as a cold start.** libgomp and OpenBLAS read ``OMP_NUM_THREADS`` when the agent loaded
+  torch and numpy, before torchrun set it (``1`` per rank when several share a node): the rank applies
+  the value its environment holds now to torch (``torch.set_num_threads``) and to numpy's BLAS. The agent
+  never runs a parallel region, so no OpenMP pool exists to be inherited.
 * **Signals as Python's defaults.** The agent's Python handlers (torchrun's SIGTERM/SIGINT/…
   handlers) would turn a SIGTERM into an exception; they are reset (SIGINT to ``KeyboardInterrupt``).
 * **No inherited exit handlers.** The agent's ``atexit`` handlers are dropped; those the script
@@ -51,7 +55,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ckptrun.runtime.worker import timeline
+from ckptrun.runtime.worker import fork_safety, timeline
 from ckptrun.runtime.worker.user_traceback import print_user_exception
 
 RETURN_QUEUE = ("_wrap", "ret_val_")  # torch.distributed.elastic.multiprocessing.api._wrap: this rank's return queue
@@ -86,12 +90,23 @@ def reset_signals() -> None:
 
 
 def apply_threads() -> None:
-    """The intra-op thread count a cold start would have: ``OMP_NUM_THREADS`` as the environment holds it now."""
+    """The intra-op thread counts a cold start would have: ``OMP_NUM_THREADS`` as the environment holds it now,
+    for torch and for numpy's BLAS."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     if value.isdigit() and int(value) > 0:
         import torch
 
         torch.set_num_threads(int(value))
+        fork_safety.limit_blas_threads(int(value))
+
+
+def bind_local_device() -> None:
+    """``LOCAL_RANK``'s GPU current in this rank (never in the agent; a fork does not carry it over)."""
+    import torch.cuda
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(local_rank)
 
 
 def reseed_numpy() -> None:
@@ -156,10 +171,14 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: warm_start.py PID_DIR (SCRIPT | -m MODULE) [ARGS...]")
     timeline.mark("process")  # this rank's start: its fork, give or take torch's setup (more exact than psutil's)
+    if fork_safety.cuda_poisoned():  # before anything else: the agent spawns the ranks instead
+        fork_safety.leave_for_spawn(Path(argv[0]))
     note_pid(Path(argv[0]))
+    fork_safety.close_inherited_listeners()
     reset_signals()
     atexit._clear()
     apply_threads()
+    bind_local_device()
     reseed_numpy()
     hide_sentinel_from_forks()
     undo = post_success_on_quiet_exit()
