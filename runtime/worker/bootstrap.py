@@ -152,11 +152,11 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt as exc:
         if id(exc) not in _recorded:
             record_failure(exc, "run")
-        determinism.refuse_if_nondeterministic(exc)  # torch's "no deterministic implementation": one line, exit 4
         raise
     except BaseException as exc:  # printed from the user's first frame (user_traceback), exit 1 as Python's own
         if id(exc) not in _recorded:
             record_failure(exc, "run")
+        determinism.refuse_if_nondeterministic(exc)  # torch's "no deterministic implementation": one line, exit 4
         print_user_exception(exc)
         raise SystemExit(1) from None
 

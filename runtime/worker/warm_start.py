@@ -101,7 +101,10 @@ def apply_threads() -> None:
 
 
 def bind_local_device() -> None:
-    """``LOCAL_RANK``'s GPU current in this rank (never in the agent; a fork does not carry it over)."""
+    """``LOCAL_RANK``'s GPU current in this rank (never in the agent; a fork does not carry it over). Only where
+    the agent had imported torch: a rank that imports it itself is a cold start, and ``init()`` binds it."""
+    if "torch" not in sys.modules:
+        return
     import torch.cuda
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
