@@ -17,15 +17,15 @@ from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_losses_equal, asse
                             last_step, one, run_processes, start, tail, wait_for)
 
 from ckptrun.cli.supervision.recovery import STARTUP_PARTS
-from ckptrun.runtime.records import final_losses
+from ckptrun.runtime.records import final_losses, read_metrics
 from ckptrun.runtime.checkpoint.verify import verify_dir
 
 pytestmark = pytest.mark.e2e
 JOB_STEPS = 30  # the default job's length
-# A run stopped mid-way sleeps in each save hook of attempt 1 (slow-save fires on the first attempt only and never
-# touches the losses): a save every 5 steps then takes seconds however fast the machine, so the stop lands
-# before the job's end; the resume (attempt 2) runs at full speed.
-SLOWED = ["--inject-fault", "slow-save:ms=500"]
+# A run stopped mid-way sleeps in each save hook of attempts 1 and 2 (slow-save fires on the attempts named and never
+# touches the losses): a save every 5 steps then takes seconds however fast the machine, so each stop lands
+# before the job's end; the last resume (attempt 3) runs at full speed.
+SLOWED = ["--inject-fault", "slow-save:ms=500;slow-save:ms=500:attempt=2"]
 
 
 @pytest.fixture
@@ -151,25 +151,13 @@ def test_restart_budget_exhausted_exits_1(tmp_path: Path, cleanup: Cleanup) -> N
 # --- stopping --------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
-def test_sigterm_stops_then_resume_continues_exactly(reference: dict[int, float], tmp_path: Path, cleanup: Cleanup) -> None:
-    run_dir = cleanup.run_dir(tmp_path / "runs" / "term")
-    launcher = cleanup.track(start("launch", *COMMON, *SLOWED, "--name", "term", cwd=tmp_path, log=tmp_path / "launch.log"))
-    wait_for(lambda: last_step(run_dir) >= 10, timeout=90, what="step 10")
-    launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=60) == 3, tail(tmp_path / "launch.log")
-    stopped = one(run_dir, "stopped")
-    assert stopped["step"] == last_step(run_dir) < JOB_STEPS
-    assert_no_processes(run_dir, within=5)
-    result = ckptrun("resume", "--latest", cwd=tmp_path)  # the most recent run under runs/
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert one(run_dir, "resume")["snapshot_step"] == stopped["step"]  # zero lost steps
-    assert_losses_equal(run_dir, reference)
-    assert_no_processes(run_dir, within=5)
-
-
-@pytest.mark.timeout(150)
-def test_ckptrun_stop_a_second_launcher_and_resume_from_an_older_snapshot(reference: dict[int, float], tmp_path: Path, cleanup: Cleanup) -> None:
+@pytest.mark.timeout(300)
+def test_ckptrun_stop_then_sigterm_of_a_resume_from_an_older_snapshot_and_resume_latest_continue_exactly(
+        reference: dict[int, float], tmp_path: Path, cleanup: Cleanup) -> None:
+    """One run stopped twice. Attempt 1: a second launcher of its run dir is refused, `ckptrun stop` stops it
+    (exit 3). Attempt 2, resumed from an older snapshot (the lineage forks there, the newer snapshots are kept
+    aside, never used): SIGTERM stops it at a step boundary (exit 3). `resume --latest` continues from that very
+    step (zero lost steps) and the losses are the uninterrupted run's."""
     run_dir = cleanup.run_dir(tmp_path / "runs" / "stopme")
     launcher = cleanup.track(start("launch", *COMMON, *SLOWED, "--name", "stopme", cwd=tmp_path, log=tmp_path / "launch.log"))
     wait_for(lambda: last_step(run_dir) >= 5, timeout=90, what="step 5")
@@ -182,14 +170,30 @@ def test_ckptrun_stop_a_second_launcher_and_resume_from_an_older_snapshot(refere
     assert stopped_at < JOB_STEPS and not (run_dir / "stop").exists()
     assert_losses_equal(run_dir, reference, prefix=True)
     assert_no_processes(run_dir, within=5)
-    # resume from an older snapshot: the lineage forks there, the newer snapshots are kept aside, never used
+
     older = min(e["step"] for e in events(run_dir, "snapshot_saved") if e["step"] < stopped_at and (Path(e["path"])).exists())
-    result = ckptrun("resume", "--from", str(older), "--run-dir", str(run_dir), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert one(run_dir, "resume")["snapshot_step"] == older and "forked a new lineage" in result.stderr
+    resumed = cleanup.track(start("resume", "--from", str(older), "--run-dir", str(run_dir), cwd=tmp_path,
+                                  log=tmp_path / "resume.log"))  # attempt 2: slowed too (SLOWED), so SIGTERM lands
+    wait_for(lambda: attempt_steps(run_dir, 2), timeout=90, what="attempt 2's first step")
+    resumed.send_signal(signal.SIGTERM)
+    assert resumed.wait(timeout=60) == 3, tail(tmp_path / "resume.log")
+    assert "forked a new lineage" in tail(tmp_path / "resume.log", 20000)
+    assert one(run_dir, "resume")["snapshot_step"] == older
     assert list((run_dir / "checkpoints" / "abandoned").glob(f"*/step-{stopped_at:09d}"))
+    stopped = events(run_dir, "stopped")[-1]
+    assert stopped["step"] == max(attempt_steps(run_dir, 2)) < JOB_STEPS
+    assert_no_processes(run_dir, within=5)
+
+    result = ckptrun("resume", "--latest", cwd=tmp_path)  # the most recent run under runs/
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert events(run_dir, "resume")[-1]["snapshot_step"] == stopped["step"]  # zero lost steps
     assert_losses_equal(run_dir, reference)
     assert_no_processes(run_dir, within=5)
+
+
+def attempt_steps(run_dir: Path, attempt: int) -> list[int]:
+    """The steps ``attempt`` logged."""
+    return [int(r["step"]) for r in read_metrics(run_dir) if r.get("attempt") == attempt and "step" in r]
 
 
 @pytest.mark.timeout(120)
