@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e" tests

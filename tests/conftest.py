@@ -28,3 +28,27 @@ def default_job_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = cwd / "runs" / "ref"
     assert len(read_events(run_dir, "attempt_start")) == 1
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def one_rank_job_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted `ckptrun launch` of the embedded default job on one rank (24 steps, hidden 128, no loader
+    workers, a snapshot every 2 steps, every rank a new interpreter: ``--no-warm-workers``): its run dir. A cold
+    start's bits, the reference of test_standby's warm restarts and test_memory_tier's restores from memory (the
+    save cadence never touches the losses or the state, so each test may save at its own)."""
+    from launch_helpers import ONE_RANK_JOB, Cleanup, ckptrun
+
+    from ckptrun.runtime.records import read_events
+
+    cwd = tmp_path_factory.mktemp("one-rank-job")
+    tracker = Cleanup()
+    try:
+        run_dir = tracker.run_dir(cwd / "runs" / "reference")
+        result = ckptrun("launch", "--nproc-per-node", "1", "--save-every-steps", "2", "--heartbeat-timeout", "5",
+                         "--startup-timeout", "60", "--no-warm-workers", "--name", "reference", *ONE_RANK_JOB,
+                         cwd=cwd, timeout=170)
+    finally:
+        tracker.close()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(read_events(run_dir, "attempt_start")) == 1
+    return run_dir

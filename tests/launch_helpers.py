@@ -21,6 +21,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # a generous start-up allowance for a loaded machine, a short back-off.
 COMMON = ["--nproc-per-node", "2", "--save-every-steps", "5", "--heartbeat-timeout", "5",
           "--startup-timeout", "60", "--restart-backoff", "0.1"]
+# The one-rank job of conftest's ``one_rank_job_run``, the reference of test_standby and test_memory_tier.
+ONE_RANK_STEPS = 24
+ONE_RANK_JOB = ["--", "--steps", str(ONE_RANK_STEPS), "--num-workers", "0", "--hidden", "128"]
 
 
 def ckptrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """Kills at any instant of a background save, end to end: real torchrun ranks SIGKILLed by ``kill-at`` timers.
 
-One 2-rank run of the default job is killed a dozen times, each attempt at another instant after init()
+One 2-rank run of the default job is killed seven times, each attempt at another instant after init()
 and on alternating ranks; ``slow-save`` stretches every save phase so that the instants land inside
 persists (staging, DCP writes, manifest, rename) rather than between them. While it runs the test keeps
 checking that no published snapshot is incomplete; afterwards that every restore took the newest
@@ -24,18 +24,18 @@ from ckptrun.runtime.checkpoint.verify import IN_PROGRESS, OK, VANISHED, verify_
 from workers import shared_tensors
 
 pytestmark = pytest.mark.e2e
-STEPS = 34
+STEPS = 20  # about three steps per killed attempt: the last kills still find the run going
 # a save every step: with slow-save the next save is due long before the last one is done, so from the
 # first save on a rank is nearly always inside one; no back-off, or a dozen doublings would dominate
 FLAGS = ["--nproc-per-node", "2", "--save-every-steps", "1", "--heartbeat-timeout", "5", "--startup-timeout", "60",
          "--restart-backoff", "0", "--max-restarts", "16", "--max-stalled-restarts", "16"]
 JOB = ["--", "--steps", str(STEPS), "--num-workers", "0", "--hidden", "128"]
-KILLS = 13  # 10 must land inside a save; a kill can fall between saves or after the run is done
+KILLS = 7  # 5 must land inside a save; a kill can fall between saves or after the run is done
 
 
 def kill_plan() -> str:
     """Attempt k (1..KILLS) is killed on rank k % 2, at an instant spread over 2.5..5 s after init()."""
-    kills = [f"kill-at:rank={k % 2}:after={2.5 + (k * 0.61) % 2.5:.2f}:attempt={k}" for k in range(1, KILLS + 1)]
+    kills = [f"kill-at:rank={k % 2}:after={2.5 + (k * 0.37) % 2.5:.2f}:attempt={k}" for k in range(1, KILLS + 1)]
     return ";".join([*kills, "slow-save:ms=250:attempt=any"])
 
 
@@ -77,8 +77,8 @@ def test_kills_at_any_instant_of_a_save_never_publish_an_incomplete_snapshot(tmp
     fired = events(faulty, "fault_injected")
     in_saves = [f for f in fired if f["save_phase"] is not None]
     print(f"kills: {len(fired)}, inside a save: {[(f['rank'], f['save_phase']) for f in in_saves]}")
-    assert len(in_saves) >= 10, f"only {len(in_saves)} of {len(fired)} kills landed inside a save: {fired}"
-    assert {f["rank"] for f in in_saves} == {0, 1}
+    assert len(in_saves) >= 5, f"only {len(in_saves)} of {len(fired)} kills landed inside a save: {fired}"
+    assert {f["rank"] for f in in_saves} == {0, 1}  # 5 of 7 alternating kills hold both ranks
     assert len({f["save_phase"] for f in in_saves}) >= 3, "the kills are spread over the phases of a save"
 
     # every restore took the newest complete snapshot: at least as new as every save published before it

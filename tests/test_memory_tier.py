@@ -18,7 +18,8 @@ from typing import Iterator
 
 import pytest
 import torch
-from launch_helpers import Cleanup, assert_losses_equal, ckptrun, one, run_id, start, tail, wait_for
+from launch_helpers import (ONE_RANK_JOB, ONE_RANK_STEPS, Cleanup, assert_losses_equal, ckptrun, one, run_id, start,
+                            tail, wait_for)
 from snapshot_factory import default_files, flip_byte, make_snapshot
 from supervisor_helpers import T0, ScriptedWorld, supervisor, training
 from workers import shared_tensors
@@ -242,8 +243,8 @@ def test_the_worker_writes_verified_snapshots_keeps_k_and_auto_paces_itself(tmp_
 
 # --- end to end: one rank, the embedded default job -------------------------------------------
 
-STEPS, DURABLE, MEMORY, KILL = 20, 10, 2, 15
-JOB = ["--", "--steps", str(STEPS), "--num-workers", "0", "--hidden", "128"]
+STEPS, DURABLE, MEMORY, KILL = ONE_RANK_STEPS, 10, 2, 15  # conftest's one-rank job (24 steps) is the reference
+JOB = ONE_RANK_JOB
 QUICK = ["--nproc-per-node", "1", "--heartbeat-timeout", "5", "--startup-timeout", "60", "--restart-backoff", "0.1",
          "--save-every-steps", str(DURABLE), "--ranks-output", "none"]
 
@@ -256,12 +257,9 @@ def cleanup() -> Iterator[Cleanup]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run, without the memory tier."""
-    cwd = tmp_path_factory.mktemp("memory-reference")
-    result = ckptrun("launch", *QUICK, "--name", "ref", *JOB, cwd=cwd, timeout=170)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return cwd / "runs" / "ref"
+def reference(one_rank_job_run: Path) -> Path:
+    """The uninterrupted run, without the memory tier (conftest's, shared with test_standby)."""
+    return one_rank_job_run
 
 
 def assert_exact(run_dir: Path, reference: Path) -> None:

@@ -121,6 +121,7 @@ def test_resharded_resume_restores_the_state_and_continues_the_global_sample_str
         assert refused.returncode != 0
         fatal = read_fatal(run_dir)
         assert fatal and fatal[-1]["exit_code"] == 4 and "--allow-reshard" in fatal[-1]["reason"]
+        assert "written by 2 ranks but this run has 1" in refused.stderr and "--allow-reshard" in refused.stderr
     resumed = job(run_dir, new, kind, attempt=2, allow_reshard=True, run_id=run_id)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 

@@ -15,8 +15,8 @@ from typing import Iterator
 
 import psutil
 import pytest
-from launch_helpers import (Cleanup, assert_losses_equal, assert_no_processes, ckptrun, events, one, run_id, start,
-                            tail, wait_for)
+from launch_helpers import (ONE_RANK_JOB, ONE_RANK_STEPS, Cleanup, assert_losses_equal, assert_no_processes, ckptrun,
+                            events, one, run_id, start, tail, wait_for)
 
 from ckptrun.cli.supervision.attempt import WARM_PIDS
 from ckptrun.cli.supervision.standby import STANDBY_MODULE
@@ -25,9 +25,10 @@ from ckptrun.runtime.records import final_losses
 pytestmark = pytest.mark.e2e
 RESTARTS = 10
 STEPS = 2 * RESTARTS + 4
+assert STEPS == ONE_RANK_STEPS  # conftest's reference run is this job
 FLAGS = ["--nproc-per-node", "1", "--save-every-steps", "2", "--heartbeat-timeout", "5", "--startup-timeout", "60",
          "--restart-backoff", "0", "--max-restarts", str(RESTARTS), "--max-stalled-restarts", str(RESTARTS)]
-JOB = ["--", "--steps", str(STEPS), "--num-workers", "0", "--hidden", "128"]
+JOB = ONE_RANK_JOB
 
 
 @pytest.fixture
@@ -38,18 +39,11 @@ def cleanup() -> Iterator[Cleanup]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """The uninterrupted run's losses, every rank a new interpreter (``--no-warm-workers``): a cold start's bits."""
-    root = tmp_path_factory.mktemp("reference")
-    tracker = Cleanup()
-    try:
-        run_dir = tracker.run_dir(root / "runs" / "reference")
-        result = ckptrun("launch", *FLAGS, "--no-warm-workers", "--name", "reference", *JOB, cwd=root, timeout=120)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert not (run_dir / "logs" / "attempt-1" / WARM_PIDS).exists()
-        return final_losses(run_dir)
-    finally:
-        tracker.close()
+def reference(one_rank_job_run: Path) -> dict[int, float]:
+    """The uninterrupted run's losses, every rank a new interpreter (``--no-warm-workers``): a cold start's bits
+    (conftest's one-rank run of this job, shared with test_memory_tier)."""
+    assert not (one_rank_job_run / "logs" / "attempt-1" / WARM_PIDS).exists()
+    return final_losses(one_rank_job_run)
 
 
 def standbys(run_dir: Path) -> list[psutil.Process]:
