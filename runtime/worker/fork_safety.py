@@ -49,7 +49,10 @@ def _fault_says_bad_fork() -> bool:
 
 
 def cuda_poisoned() -> bool:
-    """Whether this forked process may not use CUDA (``torch.cuda._is_in_bad_fork()``: a flag, no CUDA call)."""
+    """Whether this forked process may not use CUDA (``torch.cuda._is_in_bad_fork()``: a flag, no CUDA call).
+    A process without torch loaded was not forked from an agent that could have initialised CUDA."""
+    if "torch" not in sys.modules:
+        return False
     import torch.cuda
 
     if _fault_says_bad_fork():
