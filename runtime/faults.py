@@ -15,6 +15,12 @@ Grammar, several specs joined by ``;``::
     inf-grad:rank=R:step=S            test only: inf in this rank's gradient in the step after S (fp16)
     enospc[:rank=R][:step=S]          test only: this rank's snapshot writes fail with ENOSPC from step S on
     skip-rng-restore                  test only: restore everything except the RNG states
+    nan-after[:rank=R]:step=S         test only: after step S this rank's parameters (every rank's without rank=)
+                                      become NaN: a weight blow-up, once per process
+    poison-after-restore:step=S       test only: right after restoring the snapshot of step S, the parameters
+                                      become NaN (state that verifies and is poison); any attempt unless attempt=N
+    nudge-replica:rank=R:step=S       test only: after step S one parameter element of rank R's replica moves by
+                                      one ulp (silent data corruption on one device), once per process
 
 Each fires on the first attempt only unless ``attempt=N`` or ``attempt=any`` is given.
 """
@@ -23,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore")
+KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore",
+         "nan-after", "poison-after-restore", "nudge-replica")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish", "upload", "before-commit")  # the last two: object-store saves
 
 
@@ -83,7 +90,10 @@ def _parse_one(text: str) -> Fault:
                 raise FaultSpecError(f"fault {text!r}: {key} must be an integer, got {value!r}") from None
         else:
             raise FaultSpecError(f"fault {text!r}: unknown key {key!r}")
-    if kind in ("kill", "hang", "exit", "nan", "inf-grad") and "step" not in fields:
+    if kind == "poison-after-restore":
+        fields.setdefault("attempt", None)  # keyed by the snapshot restored, whichever attempt restores it
+    if kind in ("kill", "hang", "exit", "nan", "inf-grad", "nan-after", "poison-after-restore", "nudge-replica") \
+            and "step" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs step=S")
     if kind == "kill-at" and "after" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs after=SECONDS")

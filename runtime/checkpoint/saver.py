@@ -9,8 +9,10 @@ with a duty below 1, paced: :mod:`pacing`), with
 their collectives on a process group of their own (gloo), so they never
 interleave with the step's collectives; publish waits until every rank's
 write has finished, agreed over that group. At most one save is
-in flight: a save due while one runs waits for it (or, with ``overlap="skip"``,
-is skipped), with an event either way. ``sync`` runs the same code inline.
+in flight: a save due while one runs waits for it (``--save-overlap skip``: the
+step exchange skips it when every rank's saver is busy, :mod:`ckptrun.runtime.step.safeguards`).
+Staged floats that are not finite are never published (``save_refused``,
+cause ``non-finite``). ``sync`` runs the same code inline.
 With an object store, the background writer also uploads each published
 snapshot and commits it there (:mod:`remote_publish`).
 """
@@ -39,7 +41,7 @@ from ckptrun.runtime.checkpoint.remote_publish import upload
 from ckptrun.runtime.storage.remote_store import FsspecStore
 from ckptrun.runtime.checkpoint.save_plan import OwnedKeys
 from ckptrun.runtime.checkpoint.snapshot import FaultHook, SaveResult, SnapshotInfo, State, persist_and_publish
-from ckptrun.runtime.checkpoint.staging import Stager, local_bytes
+from ckptrun.runtime.checkpoint.staging import Stager, first_nonfinite, local_bytes
 
 DISK_MARGIN = 1.10
 DISK_SLACK = 4 << 20
@@ -90,12 +92,10 @@ class Saver:
               on_result: Callable[[SaveResult], None], waited: float = 0.0) -> None:
         """Start a save at this step boundary; its result reaches ``on_result`` (every rank) and :meth:`collect`.
 
-        Sync: done when this returns. Async: only staged; a refused preflight or a
-        skip by the overlap policy is a failed result at once.
+        Sync: done when this returns. Async: only staged; a refused preflight is a
+        failed result at once.
         """
         started = time.monotonic()
-        if self.busy() and self.overlap == "skip":
-            return self._refused(info.step, "skipped: the previous save is still in flight", on_result)
         waited += self._settle(wait=True)
         owned = self.owned(state.shared_tensors, self.group)
         mine = {key: tensor for key, tensor in state.shared_tensors.items() if key in owned}
@@ -115,6 +115,12 @@ class Saver:
         def work() -> SaveResult:
             self.stager.fence()
             background = self.pool is not None
+            nonfinite = self._agreed_nonfinite(staged.shared_tensors, temp_dir)
+            if nonfinite is not None:
+                refused = SaveResult(False, info.step, error=nonfinite, refused="non-finite")
+                fault("done")
+                on_result(refused)
+                return refused
             with pacing.paced(self.duty if background else 1.0) as pacer, (hashing.helpers(1) if background else nullcontext()):
                 persisted = persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group)
             self.paused_s += pacer.paused_s
@@ -147,6 +153,17 @@ class Saver:
         if self.pool is not None or any(not t.is_cpu for t in tensors.values()):
             return self.stager.stage(tensors)
         return {key: tensor.detach() for key, tensor in tensors.items()}
+
+    def _agreed_nonfinite(self, tensors: dict[str, torch.Tensor], temp_dir: Path) -> str | None:
+        """Every rank's staged floats finite, agreed over the snapshot group (on the writer's thread, so an
+        async save's stall does not pay for the scan); else the first problem, and the temp dir is removed."""
+        problem = first_nonfinite(tensors)
+        if collectives.world_size() > 1:
+            found = [f"rank {r}: {p}" for r, p in enumerate(collectives.all_gather_object(problem, group=self.group)) if p]
+            problem = found[0] if found else None
+        if problem is not None and collectives.rank() == 0:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        return problem
 
     def _check_stale(self, result: SaveResult) -> SaveResult:
         """Two saves at different steps whose tensor bytes are all identical: staging read stale buffers

@@ -25,6 +25,21 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first floating tensor holding a NaN or an inf, named, or None: one fused max-abs over every float
+    tensor (``torch._foreach_norm`` with ord inf: a NaN or inf anywhere makes its tensor's result non-finite,
+    and a maximum never overflows), then one small check of the results."""
+    keys = [k for k, t in tensors.items() if local(t).is_floating_point() and local(t).numel()]
+    if not keys:
+        return None
+    norms = torch._foreach_norm([local(tensors[k]).detach() for k in keys], float("inf"))
+    finite = torch.isfinite(torch.stack([n.float().cpu() for n in norms]))
+    if bool(finite.all()):
+        return None
+    bad = keys[int((~finite).nonzero()[0])]
+    return f"non-finite values in {bad}"
+
+
 def local_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors.values())
 

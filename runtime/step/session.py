@@ -40,6 +40,7 @@ from ckptrun.runtime.faults import parse_faults
 from ckptrun.runtime.worker.liveness import Heartbeater
 from ckptrun.runtime.step.loop import LoopShapes, untracked_loader_in_use
 from ckptrun.runtime.step.step_end import StepEnd
+from ckptrun.runtime.step.safeguards import Safeguards
 from ckptrun.runtime.checkpoint.policies import AutoCadence, FailedSaves, Retention, SaveCadence, refused_changes
 from ckptrun.runtime.storage.remote_store import open_store
 from ckptrun.runtime.checkpoint.retention import apply_retention
@@ -66,7 +67,7 @@ def _code_version() -> str:
         return ""
 
 
-class Run(LoopShapes, StepEnd):
+class Run(LoopShapes, StepEnd, Safeguards):
     """State, counters and policy of one training process. Create it with :func:`init`."""
 
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
@@ -112,6 +113,7 @@ class Run(LoopShapes, StepEnd):
         self._start_step_end(self.world_size)
         self.saved_step: int | None = None
         self.restored_from: Path | None = None
+        self._start_safeguards()
 
     # --- registration and restore ------------------------------------------
 
@@ -177,8 +179,10 @@ class Run(LoopShapes, StepEnd):
                 continue
             self._apply(loaded)
             self.restored_from, self.parent, self.saved_step = chosen, chosen.name, self.step
+            self._noted_restore(chosen, self.step)
             if self.memory.holds(chosen):  # not durable: the next save's parent is its durable one, and a stop saves
-                self.parent, self.saved_step = loaded.manifest.parent, None
+                self.parent, self.saved_step, self.published_step = loaded.manifest.parent, None, None
+            self.faults.after_restore(self.step, self.objects.get("model"))
             if self.rank == 0:
                 records.log_event(self.run_dir, "probe_restored" if self.env.exit_after_restore else "restored",
                                   attempt=self.env.attempt, snapshot=str(chosen), step=self.step,
@@ -339,7 +343,7 @@ class Run(LoopShapes, StepEnd):
 
     def _on_anomaly(self, reason: str, step: int) -> bool:
         """Apply --on-anomaly to step ``step``'s loss; True when the run was rolled back (its counters are the snapshot's)."""
-        policy = self.env.on_anomaly
+        policy = self._blowup_policy(self.env.on_anomaly)
         if self.rank == 0:
             records.log_event(self.run_dir, "anomaly", step=step, reason=reason, policy=policy)
             print(f"ckptrun: anomaly at step {step}: {reason} (policy: {policy})", file=sys.stderr, flush=True)
@@ -354,7 +358,8 @@ class Run(LoopShapes, StepEnd):
     def _rollback(self, reason: str, from_step: int) -> None:
         """Restore the previous verified snapshot in-process, fork the lineage, lower the LR, skip the data window."""
         if self.rollbacks >= self.env.max_rollbacks:
-            self._refuse(f"anomaly after {self.rollbacks} rollbacks ({reason}); lower the learning rate or inspect the data")
+            self._refuse(f"anomaly at step {from_step} after {self.rollbacks} rollbacks ({reason}); "
+                         "lower the learning rate or inspect the data")
         self._settle_saves(wait=True)
         found = self._load_newest()
         if found is None:
@@ -370,6 +375,8 @@ class Run(LoopShapes, StepEnd):
         collectives.barrier()
         self.lineage, self.parent, self.saved_step = store.read_lineage(self.ckpt_dir).current, path.name, self.step
         self.rollbacks += 1
+        self.finite.rolled_back()
+        self.published_step = self.step
         factor = self.env.rollback_lr_factor
         hparams.scale_lr(self.objects.get("optimizer"), self.objects.get("scheduler"), factor)
         self.anomalies.history.clear()
@@ -383,11 +390,12 @@ class Run(LoopShapes, StepEnd):
         """Snapshot the whole state at this step boundary; async saves return once the state is staged."""
         if self._settle_decisions():  # the step's line and anomaly check come first (every rank is here)
             return  # rolled back: the state is a verified snapshot's
+        if self._agreed_skip() or self._refused_for_loss():  # every rank alike: the facts were shared
+            return
         self.heart.beat(self.step, "save")
         self._check_loaders()
         step, started = self.step, time.monotonic()
-        if not (self.saver.busy() and self.env.save_overlap == "skip"):
-            self._settle_saves(wait=True)  # at most one in flight; its outcome names the next parent
+        self._settle_saves(wait=True)  # at most one in flight; its outcome names the next parent
         if self.save_budget_spent is not None:  # every rank settled the same results: they agree here
             self._refuse(f"{self.save_budget_spent}; free disk space or fix the checkpoint dir, "
                          "then `ckptrun resume --latest`", EXIT_FAILED)
@@ -438,19 +446,22 @@ class Run(LoopShapes, StepEnd):
                 records.log_event(self.run_dir, "stale_staging", step=result.step, same_as_step=result.stale_of)
                 print(f"ckptrun: warning: snapshot step {result.step} holds exactly the tensors of step {result.stale_of}: "
                       "stale staging, or training changed nothing", file=sys.stderr, flush=True)
-            apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention, self.saver.remote)
+            apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention, self.saver.remote,
+                            keep=self.last_good)
         else:
-            records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)
-            print(f"ckptrun: SAVE FAILED at step {result.step}: {result.error}", file=sys.stderr, flush=True)
+            kind = "save_refused" if result.refused else "save_skipped" if result.skipped else "save_failed"
+            records.log_event(self.run_dir, kind, step=result.step, error=result.error, cause=result.refused)
+            print(f"ckptrun: SAVE {'REFUSED' if result.refused else 'FAILED'} at step {result.step}: {result.error}",
+                  file=sys.stderr, flush=True)
 
     def _settle_saves(self, wait: bool = False) -> None:
         """Account for finished saves: the parent of the next one, and the consecutive-failure budget."""
         self.memory.settle(wait)
         for result in self.saver.collect(wait):
             if result.ok:
-                self.published = result.path.name  # type: ignore[union-attr]
-            elif self.saved_step == result.step:
-                self.saved_step, self.parent = None, self.published
+                self.published, self.published_step = result.path.name, result.step  # type: ignore[union-attr]
+            elif self.saved_step == result.step:  # saved_step stays: it moved on every rank at the same step
+                self.parent = self.published
             if self.failed_saves.record(result.ok):
                 self.save_budget_spent = f"{self.failed_saves.consecutive} consecutive saves failed (last: {result.error})"
             if self.rank == 0:
@@ -502,6 +513,7 @@ class Run(LoopShapes, StepEnd):
     def _final_save(self) -> None:
         """Wait for the in-flight save; save this step unless it is saved; wait for that too."""
         self._settle_saves(wait=True)
+        self._finishing = True  # a final save is never skipped for overlap
         if self.saved_step != self.step and self.step > 0:
             self.save()
             self._settle_saves(wait=True)
@@ -520,7 +532,9 @@ class Run(LoopShapes, StepEnd):
         if self._due is not None:  # the last step's save and faults; a stop asked then is moot: the run is complete
             self._due = (False, self._due[1])
             self._close_step()
+        self._require_finite_end()
         self._final_save()
+        self._require_final_snapshot()
         self.saver.close()
         self.memory.close()
         if self.rank == 0:
