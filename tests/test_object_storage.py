@@ -24,6 +24,7 @@ from ckptrun.runtime.storage.remote_store import FsspecStore, chain, open_store
 from ckptrun.runtime.checkpoint.retention import apply_remote_retention
 from ckptrun.runtime.checkpoint.tiering import LOCAL, REMOTE, choose
 from ckptrun.runtime.checkpoint.verify import verify_remote_dir
+from ckptrun.cli import store_location
 from s3_server import S3Server, free_port, start_server
 from workers import run_id_for, run_job, shared_tensors
 
@@ -188,6 +189,21 @@ def test_verify_exit_codes_match_a_local_dir_and_unusable_urls_are_refused(s3, r
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, (command, refused.stderr)
         assert "gcsfs" in refused.stderr or "slash missing" in refused.stderr
     assert not list(tmp_path.iterdir()), "nothing is created, least of all a directory named gs: or s3:"
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_cannot_be_written_is_refused_at_launch(s3, tmp_path):
+    """A missing bucket lists as empty: only a real write + delete finds it (issue 24). Before: 192 steps
+    trained, exit 0, and no snapshot anywhere."""
+    refused = cli("launch", "--nproc-per-node", "1", "--ckpt-dir", "s3://ckptrun-no-such-bucket-24/x", "--",
+                  "--steps", "2", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("error: cannot write to s3://ckptrun-no-such-bucket-24/x") and "hint: " in refused.stderr
+    assert "Traceback" not in refused.stderr and not list(tmp_path.glob("runs/*/run.json"))
+    writable = f"s3://{s3.new_bucket()}/ckpt"
+    probe = store_location.open_store(writable)
+    store_location.probe_writable(probe)
+    assert not probe.fs.find(writable.removeprefix("s3://")), "the probe leaves nothing behind"
 
 
 # --- retention --------------------------------------------------------------------------

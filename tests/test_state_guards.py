@@ -104,3 +104,27 @@ def test_save_overlap_skip_with_one_slow_rank_completes_and_every_rank_skips_the
     assert saved[-1] == 40 and set(saved) & set(by_rank[0]) <= {40}, "a final save is never skipped"
 
     assert all(verify_snapshot(path).ok for path in published(run_dir / "checkpoints").values())
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_nudged_by_one_ulp_is_caught_at_the_next_save_and_the_restart_is_bitwise_exact(tmp_path):
+    """DDP, rank 1's weights one ulp off after step 12: the save of step 15 compares the ranks' replica digests,
+    names rank 1 and the tensor (`replicas_diverged`), publishes nothing and exits 1 (restart); the next attempt
+    restores 10, the last snapshot whose replicas agreed, and ends bitwise equal to an uninterrupted run.
+    Before: never noticed, the replicas stayed apart to the end."""
+    run_dir, reference_dir = tmp_path / "run", tmp_path / "reference"
+    fields = dict(nproc=2, script=STATE_JOB, args=("--steps", "20"), save_every_steps=5, timeout=200)
+    diverged = run_job(run_dir, fault="nudge-replica:rank=1:step=12", **fields)
+    assert diverged.returncode != 0, diverged.stderr[-3000:]
+    events = read_events(run_dir, "replicas_diverged")
+    assert [(e["step"], e["ranks"]) for e in events] == [(15, [1])], events
+    assert events[0]["tensor"].startswith("model.") and events[0]["suspect"] == []
+    assert sorted(published(run_dir / "checkpoints")) == [store.snapshot_name(5), store.snapshot_name(10)]
+    resumed = run_job(run_dir, attempt=2, **fields)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [Path(e["snapshot"]).name for e in read_events(run_dir, "restored")] == [store.snapshot_name(10)]
+    assert run_job(reference_dir, **fields).returncode == 0
+    got, want = final_losses(run_dir), final_losses(reference_dir)
+    assert sorted(got) == sorted(want) and all(got[s].hex() == want[s].hex() for s in want)
+    for rank in (0, 1):
+        assert (run_dir / f"final-{rank}.json").read_text() == (reference_dir / f"final-{rank}.json").read_text()

@@ -78,7 +78,8 @@ def status(
         return _watch(run_dir, rates, budget)
     document = collect(run_dir, rates, budget)
     sys.stdout.write(json.dumps(document, indent=2) + "\n" if as_json else render(document) + "\n")
-    return EXIT_NO if document["rto"]["within_budget"] is False else EXIT_OK
+    unreachable = (document.get("snapshot") or {}).get("check") == "listing"  # the store cannot be listed: say so
+    return EXIT_NO if document["rto"]["within_budget"] is False or unreachable else EXIT_OK
 
 
 def _latest() -> Path:
@@ -405,6 +406,8 @@ def _snapshot_words(s: dict[str, Any] | None, plain: bool) -> str:
         return "none (the script does not use ckptrun.runtime: after a failure it resumes from its own files)"
     if s is None:
         return "none yet (a failure now restarts from the beginning)"
+    if s.get("check") == "listing":
+        return f"unknown: {s['path']} cannot be listed ({'; '.join(s['problems'][:1])})"
     check = "sizes ok" if s["verified"] else f"FAILS the size check ({'; '.join(s['problems'][:2])})"
     return (f"step {s['step']} · {human_age(s['age_s'])} ago · {human_bytes(s['bytes'])} · {check} "
             "(quick check; `ckptrun verify` hashes every byte)")

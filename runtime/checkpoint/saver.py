@@ -38,6 +38,7 @@ from ckptrun.runtime.checkpoint import pacing
 
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.remote_publish import upload
+from ckptrun.runtime.checkpoint.replicas import compare, digests
 from ckptrun.runtime.storage.remote_store import FsspecStore
 from ckptrun.runtime.checkpoint.save_plan import OwnedKeys
 from ckptrun.runtime.checkpoint.snapshot import FaultHook, SaveResult, SnapshotInfo, State, persist_and_publish
@@ -109,15 +110,15 @@ class Saver:
         staged = State(state.shared_tree, self._stage(mine), state.rank_tree,
                        {k: t.detach().to("cpu", copy=True) for k, t in state.rank_tensors.items()},
                        staged_bytes=local_bytes(mine) if copies else 0, allocated_bytes=allocated)
+        replicas = digests(state.shared_tensors) if collectives.world_size() > 1 else {}  # every rank's replica
         stall = time.monotonic() - started + waited
         rss = psutil.Process().memory_info().rss
 
         def work() -> SaveResult:
             self.stager.fence()
             background = self.pool is not None
-            nonfinite = self._agreed_nonfinite(staged.shared_tensors, temp_dir)
-            if nonfinite is not None:
-                refused = SaveResult(False, info.step, error=nonfinite, refused="non-finite")
+            refused = self._agreed_values(info.step, staged.shared_tensors, replicas, temp_dir)
+            if refused is not None:
                 fault("done")
                 on_result(refused)
                 return refused
@@ -154,16 +155,26 @@ class Saver:
             return self.stager.stage(tensors)
         return {key: tensor.detach() for key, tensor in tensors.items()}
 
-    def _agreed_nonfinite(self, tensors: dict[str, torch.Tensor], temp_dir: Path) -> str | None:
-        """Every rank's staged floats finite, agreed over the snapshot group (on the writer's thread, so an
-        async save's stall does not pay for the scan); else the first problem, and the temp dir is removed."""
+    def _agreed_values(self, step: int, tensors: dict[str, torch.Tensor], replicas: dict[str, int],
+                       temp_dir: Path) -> SaveResult | None:
+        """Every rank's staged floats finite and its replicas equal to the others', agreed in one gather over the
+        snapshot group (on the writer's thread: an async save's stall does not pay for the scan); else the
+        refused result (the same on every rank), and the temp dir is removed."""
         problem = first_nonfinite(tensors)
+        refused = None
         if collectives.world_size() > 1:
-            found = [f"rank {r}: {p}" for r, p in enumerate(collectives.all_gather_object(problem, group=self.group)) if p]
+            rows = collectives.all_gather_object((problem, replicas), group=self.group)
+            found = [f"rank {r}: {row[0]}" for r, row in enumerate(rows) if row[0]]
             problem = found[0] if found else None
-        if problem is not None and collectives.rank() == 0:
+            diverged = compare([row[1] for row in rows])
+            if problem is None and diverged is not None:
+                refused = SaveResult(False, step, error=diverged.describe(), refused="replicas-diverged",
+                                     diverged=(diverged.tensor, diverged.ranks))
+        if problem is not None:
+            refused = SaveResult(False, step, error=problem, refused="non-finite")
+        if refused is not None and collectives.rank() == 0:
             shutil.rmtree(temp_dir, ignore_errors=True)
-        return problem
+        return refused
 
     def _check_stale(self, result: SaveResult) -> SaveResult:
         """Two saves at different steps whose tensor bytes are all identical: staging read stale buffers

@@ -16,6 +16,7 @@ the same step with the same facts (so ranks never disagree):
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ class Safeguards:
     if TYPE_CHECKING:  # provided by Run
         def _refuse(self, message: str, code: int = ..., fatal: bool = ...) -> None: ...
         def _exit_quietly(self, code: int) -> None: ...
+        def _settle_saves(self, wait: bool = False) -> None: ...
 
     def _start_safeguards(self) -> None:
         """Called once by ``Run.__init__``."""
@@ -59,10 +61,12 @@ class Safeguards:
 
     def _watch_loss(self, step: int, loss: float) -> bool:
         """An agreed loss; True when it poisons the snapshot just restored (then call :meth:`_blame_restored`)."""
-        if self.finite.observe(step, loss) and self.rank == 0:  # the run's first: the snapshot named as the next
-            self.last_good = self.parent  # save's parent is the newest published or in flight, all before this step
-            records.log_event(self.run_dir, "nonfinite_loss", step=step, loss=str(loss), attempt=self.env.attempt,
-                              last_good=self.last_good)
+        if self.finite.observe(step, loss):  # the run's first: every rank is here, so it may wait for the save in
+            self._settle_saves(wait=True)  # flight; then the next save's parent is the newest published one, and
+            if self.rank == 0:  # every save begun so far began before this step (a save first reads every loss)
+                self.last_good = self.parent
+                records.log_event(self.run_dir, "nonfinite_loss", step=step, loss=str(loss), attempt=self.env.attempt,
+                                  last_good=self.last_good)
         return self.finite.poisoned()
 
     def _blowup_policy(self, policy: str) -> str:
@@ -127,6 +131,35 @@ class Safeguards:
             print(f"ckptrun: snapshot of step {self.step} refused: a non-finite loss at step {first}",
                   file=sys.stderr, flush=True)
         return True
+
+    # --- replicas -----------------------------------------------------------------
+
+    def _record_divergence(self, result: Any) -> None:
+        """Rank 0, on the writer thread as soon as the ranks compared (before any rank acts on it): the event,
+        naming a rank that diverged before as the suspect device, and for ``stop`` the fatal record."""
+        tensor, ranks = result.diverged
+        before = [r for e in records.read_events(self.run_dir, "replicas_diverged") for r in e.get("ranks", [])]
+        suspects = [r for r in ranks if r in before]
+        policy = self.env.on_replica_divergence
+        records.log_event(self.run_dir, "replicas_diverged", step=result.step, ranks=list(ranks), tensor=tensor,
+                          attempt=self.env.attempt, policy=policy, suspect=suspects)
+        words = f"; rank(s) {', '.join(map(str, suspects))} diverged before: suspect device" if suspects else ""
+        print(f"ckptrun: {result.error} at step {result.step}: snapshot not published (policy: {policy}){words}",
+              file=sys.stderr, flush=True)
+        if policy == "stop":
+            records.write_fatal(self.run_dir, 0, f"{result.error} at step {result.step}{words}", EXIT_UNRECOVERABLE)
+
+    def _act_on_divergence(self, result: Any) -> None:
+        """Every rank, when it collects the result: restart (exit 1: the supervisor restores the newest snapshot,
+        whose replicas agreed) or stop (exit 4); ``warn`` trains on. No barrier: ranks collect at their own time."""
+        policy = self.env.on_replica_divergence
+        if policy == "warn":
+            return
+        print(f"error: {result.error} at step {result.step}; "
+              f"{'restarting from the last snapshot whose replicas agreed' if policy == 'restart' else 'stopped'}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_FAILED if policy == "restart" else EXIT_UNRECOVERABLE)
 
     # --- the end ------------------------------------------------------------------
 

@@ -449,6 +449,8 @@ class Run(LoopShapes, StepEnd, Safeguards):
             apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention, self.saver.remote,
                             keep=self.last_good)
         else:
+            if result.diverged is not None:
+                self._record_divergence(result)
             kind = "save_refused" if result.refused else "save_skipped" if result.skipped else "save_failed"
             records.log_event(self.run_dir, kind, step=result.step, error=result.error, cause=result.refused)
             print(f"ckptrun: SAVE {'REFUSED' if result.refused else 'FAILED'} at step {result.step}: {result.error}",
@@ -462,6 +464,8 @@ class Run(LoopShapes, StepEnd, Safeguards):
                 self.published, self.published_step = result.path.name, result.step  # type: ignore[union-attr]
             elif self.saved_step == result.step:  # saved_step stays: it moved on every rank at the same step
                 self.parent = self.published
+            if result.diverged is not None:
+                self._act_on_divergence(result)
             if self.failed_saves.record(result.ok):
                 self.save_budget_spent = f"{self.failed_saves.consecutive} consecutive saves failed (last: {result.error})"
             if self.rank == 0:
