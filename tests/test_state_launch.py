@@ -76,7 +76,7 @@ def test_a_snapshot_that_poisons_the_run_is_quarantined_and_the_run_restarts_fro
     completes with finite losses in at most 3 attempts. Before: the run went on from 15 on NaN and exited 0."""
     run_dir = cleanup.run_dir(tmp_path / "runs" / "poison")
     result = ckptrun("launch", *TWO_RANKS, "--name", "poison", "--inject-fault",
-                     "kill:rank=1:step=17;poison-after-restore:step=15", str(FIXTURES / "state_job.py"), "--",
+                     "kill:rank=1:step=17;poison-after-restore:step=15", str(FIXTURES / "state_job.py"),
                      "--steps", "25", cwd=tmp_path, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     quarantined = [e for e in events(run_dir, "snapshot_quarantined") if e.get("cause") == "poisoned"]
