@@ -1,10 +1,13 @@
-"""The cost of the staged-floats finiteness check (issue 24) against the save's stall, in one run.
+"""The cost of the state checks of issue 24 against the save's stall, in one run: the staged-floats finiteness
+check and the replica digest.
 
 The stall of an async save is the stage: a copy of every float into the reused host buffers
 (``Stager.stage``). The check (``staging.first_nonfinite``: one fused ``_foreach_norm(inf)`` over those
 buffers) runs on the writer thread before persist, so an async save's stall does not pay it at all; a
 sync save (and a GPU's on-device scan) would. Printed: both medians over interleaved repeats and their
-ratio, for a model-like set of tensors (many of them small). Run: ``python bench/finite_check.py [MiB]``.
+ratio, for a model-like set of tensors (many of them small). The replica digest (``replicas.digests``: a bit
+sum per tensor, every rank, in the foreground) is in every multi-rank save's stall. Run:
+``python bench/finite_check.py [MiB]``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 
 import torch
 
+from ckptrun.runtime.checkpoint.replicas import digests
 from ckptrun.runtime.checkpoint.staging import Stager, first_nonfinite
 
 
@@ -32,20 +36,26 @@ def state(mib: int) -> dict[str, torch.Tensor]:
 def main(mib: int = 256, repeats: int = 7) -> None:
     tensors, stager = state(mib), Stager()
     staged = stager.stage(tensors)  # buffers allocated once, as every save after the first
-    stage_s, check_s = [], []
+    samples: dict[str, list[float]] = {"stage": [], "check": [], "digest": []}
+    order = list(samples)
     for repeat in range(repeats):
-        for which in (("stage", "check") if repeat % 2 == 0 else ("check", "stage")):
+        for which in order[repeat % 3:] + order[:repeat % 3]:  # rotated per repeat
             started = time.perf_counter()
             if which == "stage":
                 staged = stager.stage(tensors)
-            else:
+            elif which == "check":
                 assert first_nonfinite(staged) is None
-            (stage_s if which == "stage" else check_s).append(time.perf_counter() - started)
-    stage, check = statistics.median(stage_s), statistics.median(check_s)
+            else:
+                assert digests(tensors)
+            samples[which].append(time.perf_counter() - started)
+    stage_s, check_s, digest_s = samples["stage"], samples["check"], samples["digest"]
+    stage, check, digest = (statistics.median(v) for v in (stage_s, check_s, digest_s))
     print(f"state {mib} MiB fp32 in {len(tensors)} tensors, CPU, {torch.get_num_threads()} threads, {repeats} interleaved repeats")
     print(f"stage (the async stall)  median {stage * 1e3:8.2f} ms  (min {min(stage_s) * 1e3:.2f}, max {max(stage_s) * 1e3:.2f})")
     print(f"finite check             median {check * 1e3:8.2f} ms  (min {min(check_s) * 1e3:.2f}, max {max(check_s) * 1e3:.2f})")
+    print(f"replica digest           median {digest * 1e3:8.2f} ms  (min {min(digest_s) * 1e3:.2f}, max {max(digest_s) * 1e3:.2f})")
     print(f"check / stage            {check / stage:.3f}   (async saves: 0 of the stall, the check runs on the writer)")
+    print(f"digest / stage           {digest / stage:.3f}   (in the stall of every multi-rank save)")
 
 
 if __name__ == "__main__":

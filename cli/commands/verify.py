@@ -28,6 +28,7 @@ import typer
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_age, human_bytes
 from ckptrun.cli.store_location import location
+from ckptrun.cli.supervision.memory_tier import sweep_stale
 from ckptrun.runtime.storage.ckpt_url import StoreUrl
 from ckptrun.runtime.storage.remote_store import FsspecStore
 from ckptrun.runtime.storage.transfer import describe
@@ -71,6 +72,7 @@ def verify(
     threads: int | None = typer.Option(None, "--threads", min=1, metavar="N", help="Files hashed in parallel (default: CPUs, 2..8)."),
 ) -> int:
     """Check every snapshot's bytes against its manifest (exit 1 if any is corrupt or incomplete)."""
+    sweep_stale()  # the /dev/shm memory directories of supervisors that were killed: reclaimed here too
     where = location(path)
     if isinstance(where, StoreUrl):
         return _verify_store(where, as_json, quick, threads)

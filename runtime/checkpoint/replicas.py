@@ -4,8 +4,9 @@ DDP keeps gradients all-reduced, so one rank whose weights moved by one ulp
 (silent data corruption on one device) stays apart forever and nothing fails.
 At every save each rank digests its replica of the replicated tensors (plain
 tensors, and DTensors whose placements are all ``Replicate``; shards are not
-replicas): per tensor, the wrapping int64 sum of its bits (the floats viewed
-as integers of their width), one read pass on the device that holds them.
+replicas): per tensor, the wrapping sum of its bits (the floats viewed as
+integers of their width, summed in that width: the vectorised kernel), one
+read pass on the device that holds them (cost against the stall: bench/finite_check.py).
 Any single changed element changes its tensor's sum, and the sums of
 different ranks travel with the save's agreement (:mod:`saver`). A tensor
 whose digests differ names the ranks that disagree with the majority (with a
@@ -38,7 +39,7 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
             continue
         bits = local.detach().contiguous().view(_AS_INT[local.element_size()])
         keys.append(key)
-        sums.append(bits.sum(dtype=torch.int64))
+        sums.append(bits.sum(dtype=bits.dtype).to(torch.int64))  # wrapping in its own width: the fast kernel
     if not sums:
         return {}
     return dict(zip(keys, torch.stack(sums).cpu().tolist()))

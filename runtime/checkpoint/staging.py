@@ -26,13 +26,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first floating tensor holding a NaN or an inf, named, or None: one fused max-abs over every float
-    tensor (``torch._foreach_norm`` with ord inf: a NaN or inf anywhere makes its tensor's result non-finite,
-    and a maximum never overflows), then one small check of the results."""
+    """The first floating tensor holding a NaN or an inf, named, or None: one fused L2 norm over every float
+    tensor (``torch._foreach_norm``: a NaN or inf anywhere makes its tensor's norm non-finite; measured ~6x
+    cheaper on CPU than ``isfinite`` or a max-abs, see bench/finite_check.py), then one check of the results.
+    A norm overflows only for values beyond ~1e19 (fp32): a blow-up too."""
     keys = [k for k, t in tensors.items() if local(t).is_floating_point() and local(t).numel()]
     if not keys:
         return None
-    norms = torch._foreach_norm([local(tensors[k]).detach() for k in keys], float("inf"))
+    norms = torch._foreach_norm([local(tensors[k]).detach() for k in keys], 2)
     finite = torch.isfinite(torch.stack([n.float().cpu() for n in norms]))
     if bool(finite.all()):
         return None

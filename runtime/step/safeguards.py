@@ -7,7 +7,8 @@ the same step with the same facts (so ranks never disagree):
 - the agreed losses (:mod:`finite_watch`): a save whose window saw a
   non-finite loss is refused; a blow-up rolls back under any ``--on-anomaly``;
   a non-finite loss right after a restore quarantines the snapshot restored
-  (``poisoned``) and restarts from the one before it, twice in a row stops;
+  (``poisoned``) and restarts from the one before it, twice in a row stops
+  (unless ``--on-anomaly rollback``: its in-process rollback answers);
 - a save due while one is in flight is skipped only when every rank's saver is
   busy, as the step exchange says (``--save-overlap skip``);
 - ``finish``: a run whose last loss is non-finite ends with exit 4, one whose
@@ -60,14 +61,16 @@ class Safeguards:
     # --- losses -------------------------------------------------------------------
 
     def _watch_loss(self, step: int, loss: float) -> bool:
-        """An agreed loss; True when it poisons the snapshot just restored (then call :meth:`_blame_restored`)."""
+        """An agreed loss; True when it poisons the snapshot just restored (then call :meth:`_blame_restored`).
+        Under ``--on-anomaly rollback`` the in-process rollback (data window skipped, LR lowered) answers it
+        instead, bounded by ``--max-rollbacks``."""
         if self.finite.observe(step, loss):  # the run's first: every rank is here, so it may wait for the save in
             self._settle_saves(wait=True)  # flight; then the next save's parent is the newest published one, and
             if self.rank == 0:  # every save begun so far began before this step (a save first reads every loss)
                 self.last_good = self.parent
                 records.log_event(self.run_dir, "nonfinite_loss", step=step, loss=str(loss), attempt=self.env.attempt,
                                   last_good=self.last_good)
-        return self.finite.poisoned()
+        return self.finite.poisoned() and self.env.on_anomaly != "rollback"
 
     def _blowup_policy(self, policy: str) -> str:
         """``warn`` for spikes; a loss non-finite K steps in a row rolls back all the same."""
