@@ -58,7 +58,8 @@ def test_the_staged_floats_check_names_the_first_non_finite_tensor_and_ignores_i
     assert first_nonfinite(tensors) == "non-finite values in b"
     tensors["b"] = torch.tensor([math.nan, 1.0], dtype=torch.bfloat16)
     assert first_nonfinite(tensors) == "non-finite values in b"
-    assert first_nonfinite({"a": torch.full((3,), 6e4, dtype=torch.float16), "n": torch.empty(0)}) is None
+    large = {"a": torch.full((3,), 6e4, dtype=torch.float16), "b": torch.full((10**6,), 100.0, dtype=torch.bfloat16)}
+    assert first_nonfinite({**large, "n": torch.empty(0)}) is None, "finite values whose 16-bit norm would overflow"
 
 
 # --- real ranks ---------------------------------------------------------------------
