@@ -11,6 +11,8 @@ Grammar, several specs joined by ``;``::
                                       doing: a background save in flight is not waited for
     slow-save[:rank=R]:ms=M           test only: sleep M ms at every save hook (stage, each DCP file written,
                                       before-manifest, before-publish), so that timed kills land inside saves
+    slow-retention[:rank=R]:ms=M      test only: sleep M ms once a save's outcome is known, before its result is
+                                      handled, as a slow retention pass holds rank 0's writer after the others'
     nan:step=S                        test only: the step after S reports a NaN loss (anomaly policy)
     inf-grad:rank=R:step=S            test only: inf in this rank's gradient in the step after S (fp16)
     enospc[:rank=R][:step=S]          test only: this rank's snapshot writes fail with ENOSPC from step S on
@@ -30,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore",
-         "nan-after", "poison-after-restore", "nudge-replica")
+         "nan-after", "poison-after-restore", "nudge-replica", "slow-retention")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish", "upload", "before-commit")  # the last two: object-store saves
 
 
@@ -97,6 +99,6 @@ def _parse_one(text: str) -> Fault:
         raise FaultSpecError(f"fault {text!r}: needs step=S")
     if kind == "kill-at" and "after" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs after=SECONDS")
-    if kind == "slow-save" and "ms" not in fields:
+    if kind in ("slow-save", "slow-retention") and "ms" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs ms=M")
     return Fault(**fields)  # type: ignore[arg-type]

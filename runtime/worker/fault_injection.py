@@ -85,7 +85,7 @@ class FaultInjector:
         """A save reached ``phase`` ("done" when its outcome is known)."""
         self.saving = None if phase == "done" else (step, phase)
         for fault in self.faults:
-            if fault.kind == "slow-save" and phase != "done":
+            if fault.kind == "slow-save" and phase != "done" or fault.kind == "slow-retention" and phase == "done":
                 time.sleep((fault.ms or 0) / 1000)
             if fault.kind == "enospc" and phase == "persist" and step >= (fault.step or 0):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
