@@ -17,6 +17,7 @@ import json
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +43,39 @@ def open_store(url: str, options: dict[str, Any] | None = None, run_id: str | No
     if not isinstance(parsed, StoreUrl):
         raise CkptrunError(f"{url} is not an object-store URL", "pass s3://BUCKET/PREFIX or another fsspec URL")
     return FsspecStore(parsed, options, run_id)  # run_id: list, chain and restore only that run's snapshots
+
+
+def probe_writable(remote: FsspecStore) -> None:
+    """A real write and delete under the run's prefix (a listing succeeds on a missing bucket or a read-only
+    key): exit 2 before anything runs, rather than a whole run that trains and keeps nothing."""
+    from ckptrun.runtime.storage.transfer import describe
+
+    probe = f"{remote.url.path.rstrip('/')}/.ckptrun-write-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        remote.fs.pipe_file(probe, b"ckptrun")
+        remote.fs.rm_file(probe)
+    except Exception as exc:  # noqa: BLE001 - no bucket, denied, read-only: one line, not a traceback
+        raise CkptrunError(f"cannot write to {remote.where}: {describe(exc)}",
+                           "create the bucket or prefix, or fix the credentials' write permission "
+                           "(environment, ~/.aws, --storage-option)", EXIT_REFUSED) from None
+
+
+def probe_local_dir(path: Path, what: str) -> None:
+    """``path`` is a directory this process can write in, or can be made one: a real write and delete in it
+    (or in its nearest existing parent, so a refusal creates nothing). Exit 2 before anything starts (a
+    regular file, a path under /proc, no permission), never an internal error."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    probe = existing / f".ckptrun-write-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, f"{existing} is not a directory")
+        probe.write_bytes(b"ckptrun")
+        probe.unlink()
+    except OSError as exc:
+        raise CkptrunError(f"{what} {path} cannot be used: {exc.strerror or exc}",
+                           f"pass a writable directory as {what}", EXIT_REFUSED) from None
 
 
 def split_spec(data: dict[str, Any]) -> dict[str, Any]:

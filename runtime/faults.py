@@ -11,12 +11,20 @@ Grammar, several specs joined by ``;``::
                                       doing: a background save in flight is not waited for
     slow-save[:rank=R]:ms=M           test only: sleep M ms at every save hook (stage, each DCP file written,
                                       before-manifest, before-publish), so that timed kills land inside saves
+    slow-retention[:rank=R]:ms=M      test only: sleep M ms once a save's outcome is known, before its result is
+                                      handled, as a slow retention pass holds rank 0's writer after the others'
     nan:step=S                        test only: the step after S reports a NaN loss (anomaly policy)
     inf-grad:rank=R:step=S            test only: inf in this rank's gradient in the step after S (fp16)
     enospc[:rank=R][:step=S]          test only: this rank's snapshot writes fail with ENOSPC from step S on
     skip-rng-restore                  test only: restore everything except the RNG states
     bad-fork[:rank=R]                 test only: a forked (warm) rank sees ``torch.cuda._is_in_bad_fork()`` as
                                       True, as after a CUDA init in its agent (runtime/worker/fork_safety.py)
+    nan-after[:rank=R]:step=S         test only: after step S this rank's parameters (every rank's without rank=)
+                                      become NaN: a weight blow-up, once per process
+    poison-after-restore:step=S       test only: right after restoring the snapshot of step S, the parameters
+                                      become NaN (state that verifies and is poison); any attempt unless attempt=N
+    nudge-replica:rank=R:step=S       test only: after step S one parameter element of rank R's replica moves by
+                                      one ulp (silent data corruption on one device), once per process
 
 Each fires on the first attempt only unless ``attempt=N`` or ``attempt=any`` is given.
 """
@@ -26,7 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore",
-         "bad-fork")
+         "bad-fork",
+         "nan-after", "poison-after-restore", "nudge-replica", "slow-retention")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish", "upload", "before-commit")  # the last two: object-store saves
 
 
@@ -86,10 +95,13 @@ def _parse_one(text: str) -> Fault:
                 raise FaultSpecError(f"fault {text!r}: {key} must be an integer, got {value!r}") from None
         else:
             raise FaultSpecError(f"fault {text!r}: unknown key {key!r}")
-    if kind in ("kill", "hang", "exit", "nan", "inf-grad") and "step" not in fields:
+    if kind == "poison-after-restore":
+        fields.setdefault("attempt", None)  # keyed by the snapshot restored, whichever attempt restores it
+    if kind in ("kill", "hang", "exit", "nan", "inf-grad", "nan-after", "poison-after-restore", "nudge-replica") \
+            and "step" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs step=S")
     if kind == "kill-at" and "after" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs after=SECONDS")
-    if kind == "slow-save" and "ms" not in fields:
+    if kind in ("slow-save", "slow-retention") and "ms" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs ms=M")
     return Fault(**fields)  # type: ignore[arg-type]

@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
+from launch_helpers import wait_for
 
 from ckptrun.cli.recovery_budget import rto_components as components
 from ckptrun.cli.recovery_budget import rto_launch
@@ -370,3 +372,40 @@ def test_a_warm_no_op_relaunch_goes_through_a_standby_and_forked_ranks(trained: 
     assert restart.facts["launch_s"] == noop.launch_s and "no-op 1-rank relaunch" in restart.detail
     assert "forked (warm) ranks" in restart.detail
     assert "forked (warm) ranks" in components.teardown(target, noop).detail
+
+
+def _probe_processes() -> list[psutil.Process]:
+    """Processes of an estimator's relaunch (standby agent, torchrun, ranks): their run id says so."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            run_id = process.environ().get("CKPTRUN_RUN_ID", "")
+            if ("-rto-probe-" in run_id or run_id.startswith("rto-noop-")) and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_a_sigkilled_estimator_leaves_no_relaunch_process(trained: Path, tmp_path: Path) -> None:
+    """The estimator's relaunches are supervised by it (its pid in C1): SIGKILL it while its no-op relaunch
+    (measured for a run without restart history; its ranks wait to be torn down) runs, and the agent and ranks
+    exit within 20 s (issue 24; before: 3 processes left 20 s later)."""
+    run_dir = shutil.copytree(trained, tmp_path / "run", symlinks=True)
+    spec = LaunchSpec(script_args=list(FAST), nproc_per_node="1", threads=1, save_every_steps=5)
+    write_run_record(run_dir, RunRecord(run_id="probe-orphan", spec=spec))
+    log = open(tmp_path / "estimate.log", "wb")
+    estimator = subprocess.Popen([sys.executable, "-m", "ckptrun.cli.main", "estimate-rto", str(run_dir), "--probe"],
+                                 stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(_probe_processes()) >= 2 or estimator.poll() is not None, timeout=120,
+                 what="the no-op relaunch's agent and rank")
+        assert estimator.poll() is None, (tmp_path / "estimate.log").read_text()[-2000:]
+        estimator.kill()
+        estimator.wait()
+        wait_for(lambda: not _probe_processes(), timeout=20, what="the probe's processes to exit")
+    finally:
+        estimator.kill()
+        for process in _probe_processes():
+            process.kill()

@@ -348,3 +348,21 @@ def test_elastic_two_nodes_to_one_continues_resharded_and_grows_back_with_the_sa
     final = 64 * shrink["snapshot_step"] + 32 * (grow["snapshot_step"] - shrink["snapshot_step"]) + 64 * (
         steps - grow["snapshot_step"])
     assert seen[(grow["attempt"], steps)] == final  # no sample skipped or repeated across both reshards
+
+
+def test_a_non_leader_node_keeps_its_own_store_credentials_over_run_json(tmp_path: Path) -> None:
+    """Non-leader launchers run the leader's run.json, which never holds credentials: the node's own
+    --storage-option secrets are merged back, so its ranks can upload (issue 24; before: lost, every upload failed)."""
+    from ckptrun.cli import store_location
+    from ckptrun.cli.supervision.many_nodes import with_own_secrets
+    from ckptrun.cli.supervision.spec import RunRecord, build_spec, read_run_record, write_run_record
+
+    own = build_spec(store_location.split_spec({"ckpt_dir": "s3://bucket/ckpt", "nnodes": "2",
+                                                "store_options": ["key=AKIA-NODE-1", "secret=s3cr3t", "anon=false"]}))
+    assert own.store_secrets == {"key": "AKIA-NODE-1", "secret": "s3cr3t"}
+    write_run_record(tmp_path, RunRecord(run_id="nodes", spec=own))
+    assert "s3cr3t" not in (tmp_path / "run.json").read_text()
+    led = read_run_record(tmp_path)
+    assert led.spec.store_secrets == {}, "run.json holds no secrets"
+    options = json.loads(with_own_secrets(led, own).spec.worker_policy()["storage_options"])
+    assert options["key"] == "AKIA-NODE-1" and options["secret"] == "s3cr3t" and options["anon"] in (False, "false")

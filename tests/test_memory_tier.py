@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -157,6 +158,30 @@ def test_a_killed_supervisors_memory_directory_is_swept(tmp_path: Path) -> None:
     stale.mkdir()
     (stale / tier.OWNER).write_text(json.dumps({"pid": dead.pid, "start_time": 0.0}))
     assert tier.sweep_stale(tmp_path) == [stale] and not stale.exists()
+
+
+def test_every_launch_and_verify_sweep_a_killed_supervisors_directory(tmp_path: Path) -> None:
+    """Not only a later launch that uses the memory tier (issue 24): any launch's world, and `ckptrun verify`."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def plant(root: Path) -> Path:
+        stale = root / f"ckptrun-sweep-test-{os.getpid()}-{dead.pid}"
+        stale.mkdir()
+        (stale / tier.OWNER).write_text(json.dumps({"pid": dead.pid, "start_time": 0.0}))
+        return stale
+
+    stale = plant(tmp_path)
+    assert tier.MemoryDir.open(LaunchSpec(), "r2", root=tmp_path).path is None and not stale.exists()
+    if not tier.SHM_ROOT.is_dir():
+        pytest.skip("no /dev/shm here")
+    stale = plant(tier.SHM_ROOT)
+    try:
+        result = subprocess.run([sys.executable, "-m", "ckptrun.cli.main", "verify", str(tmp_path)], capture_output=True,
+                                text=True, timeout=60)
+        assert not stale.exists(), result.stderr
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def test_the_tier_is_refused_without_shared_memory_or_on_many_nodes(tmp_path: Path) -> None:

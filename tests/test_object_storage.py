@@ -24,6 +24,7 @@ from ckptrun.runtime.storage.remote_store import FsspecStore, chain, open_store
 from ckptrun.runtime.checkpoint.retention import apply_remote_retention
 from ckptrun.runtime.checkpoint.tiering import LOCAL, REMOTE, choose
 from ckptrun.runtime.checkpoint.verify import verify_remote_dir
+from ckptrun.cli import store_location
 from s3_server import S3Server, free_port, start_server
 from workers import run_id_for, run_job, shared_tensors
 
@@ -190,6 +191,21 @@ def test_verify_exit_codes_match_a_local_dir_and_unusable_urls_are_refused(s3, r
     assert not list(tmp_path.iterdir()), "nothing is created, least of all a directory named gs: or s3:"
 
 
+@pytest.mark.timeout(60)
+def test_a_store_that_cannot_be_written_is_refused_at_launch(s3, tmp_path):
+    """A missing bucket lists as empty: only a real write + delete finds it (issue 24). Before: 192 steps
+    trained, exit 0, and no snapshot anywhere."""
+    refused = cli("launch", "--nproc-per-node", "1", "--ckpt-dir", "s3://ckptrun-no-such-bucket-24/x", "--",
+                  "--steps", "2", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("error: cannot write to s3://ckptrun-no-such-bucket-24/x") and "hint: " in refused.stderr
+    assert "Traceback" not in refused.stderr and not list(tmp_path.glob("runs/*/run.json"))
+    writable = f"s3://{s3.new_bucket()}/ckpt"
+    probe = store_location.open_store(writable)
+    store_location.probe_writable(probe)
+    assert not probe.fs.find(writable.removeprefix("s3://")), "the probe leaves nothing behind"
+
+
 # --- retention --------------------------------------------------------------------------
 
 
@@ -204,13 +220,19 @@ def test_retention_on_s3_keeps_k_and_never_deletes_before_a_newer_verified_manif
     assert apply_remote_retention(store, Retention(keep_last=1), tmp_path / "events") == []
     assert [p.step for p in store.published()] == [10, 12]
     assert read_events(tmp_path / "events", "retention_skipped")
-    # An interrupted upload (a prefix without a manifest) is garbage once old enough, and only then.
-    store.fs.pipe_file(store.url.join("step-000000015-deadbeef", "state.json"), b"{}")
+    # An interrupted upload (a prefix without a manifest) is garbage once old enough, and only then; and only
+    # this run's: a racing run's upload in flight on the same location is never touched (issue 24).
+    store = open_store(store.where, None, run_id_for(run_dir))
+    mine, racing = store.open_new(15), open_store(store.where, None, "a-racing-run").open_new(15)
+    for name in (mine, racing):
+        store.fs.pipe_file(store.url.join(name, "state.json"), b"{}")
     apply_remote_retention(store, Retention(keep_last=5), tmp_path / "events")
-    assert any(p.name == "step-000000015-deadbeef" for p in store.prefixes())
+    assert {mine, racing} <= {p.name for p in store.prefixes()}
     apply_remote_retention(store, Retention(keep_last=5), tmp_path / "events", now=4e9)
-    assert not any(p.name == "step-000000015-deadbeef" for p in store.prefixes())
-    assert read_events(tmp_path / "events", "garbage_deleted")
+    left = {p.name for p in store.prefixes()}
+    assert mine not in left and racing in left, "only this run's interrupted upload is garbage"
+    assert [e["path"].rsplit("/", 1)[-1] for e in read_events(tmp_path / "events", "garbage_deleted")] == [mine]
+    assert open_store(store.where).garbage(0.0, now=4e9) == [], "a store bound to no run collects nothing"
 
 
 def test_a_fork_marker_ends_the_line_at_its_fork_point_and_deletes_nothing(s3, reference):
@@ -251,7 +273,8 @@ def test_an_unreachable_store_fails_the_save_and_training_goes_on(tmp_path, s3):
     run_dir = tmp_path / "run"
     result = job(run_dir, f"s3://{s3.new_bucket()}/ckpt", steps=6, storage_options=dead, max_failed_saves=10,
                  supervised=True)  # supervised: the supervisor (not this worker) lists the store before a restore
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # training went on; a final save that fails is not completion
+    assert "the final save at step 6 failed: no snapshot of this attempt published" in result.stderr
     failed = read_events(run_dir, "save_failed")
     assert [e["step"] for e in failed] == [5, 6] and all("upload" in e["error"] for e in failed)
     assert not read_events(run_dir, "snapshot_saved")

@@ -58,7 +58,8 @@ def status(
         return _watch(run_dir, rates, budget)
     document = collect(run_dir, rates, budget)
     sys.stdout.write(json.dumps(document, indent=2) + "\n" if as_json else render(document) + "\n")
-    return EXIT_NO if document["rto"]["within_budget"] is False else EXIT_OK
+    unreachable = (document.get("snapshot") or {}).get("check") == "listing"  # the store cannot be listed: say so
+    return EXIT_NO if document["rto"]["within_budget"] is False or unreachable else EXIT_OK
 
 
 def _budget(text: str | None) -> float | None:

@@ -56,6 +56,8 @@ def _snapshot_words(s: dict[str, Any] | None, plain: bool) -> str:
         return "none (the script does not use ckptrun.runtime: after a failure it resumes from its own files)"
     if s is None:
         return "none yet (a failure now restarts from the beginning)"
+    if s.get("check") == "listing":
+        return f"unknown: {s['path']} cannot be listed ({'; '.join(s['problems'][:1])})"
     check = "sizes ok" if s["verified"] else f"FAILS the size check ({'; '.join(s['problems'][:2])})"
     return (f"step {s['step']} · {human_age(s['age_s'])} ago · {human_bytes(s['bytes'])} · {check} "
             "(quick check; `ckptrun verify` hashes every byte)")

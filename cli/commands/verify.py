@@ -29,6 +29,7 @@ from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_age, human_bytes
 from ckptrun.cli.commands.store_flag import storage_option_flag
 from ckptrun.cli.store_location import location, store_at
+from ckptrun.cli.supervision.memory_tier import sweep_stale
 from ckptrun.runtime.storage.remote_store import FsspecStore
 from ckptrun.runtime.storage.transfer import describe
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
@@ -72,6 +73,7 @@ def verify(
     storage_option: Optional[list[str]] = storage_option_flag(),
 ) -> int:
     """Check every snapshot's bytes against its manifest (exit 1 if any is corrupt or incomplete)."""
+    sweep_stale()  # the /dev/shm memory directories of supervisors that were killed: reclaimed here too
     where = location(path)
     remote = store_at(where, storage_option)
     if remote is not None:

@@ -238,7 +238,16 @@ def _child_env(run_env: RunEnv | None = None, run_id: str | None = None) -> dict
         env.update(run_env.to_env())
     elif run_id is not None:
         env[variable("run_id")] = run_id
-    return env
+    return {**env, **_watched_by_this_process()}
+
+
+def _watched_by_this_process() -> dict[str, str]:
+    """The estimator is the relaunch's supervisor: its agent and ranks exit when it is gone (a SIGKILLed
+    estimator leaves nothing behind), as a real attempt's do when its supervisor dies."""
+    import psutil
+
+    return {variable("supervisor_pid"): str(os.getpid()),
+            variable("supervisor_start_time"): repr(psutil.Process().create_time())}
 
 
 NoopTimes = relaunch.NoopTimes

@@ -32,6 +32,7 @@ from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _refuse_used_
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.supervision.world import Estimator
 from ckptrun.runtime import records
+from ckptrun.runtime.storage.ckpt_url import merge_options
 
 TOKEN_NAME = ".ckptrun-storage-token"  # in the checkpoint dir: every node must read what the leader wrote
 JOIN_POLL_S = 0.5
@@ -76,10 +77,18 @@ def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json
         else:
             own = spec if spec is not None else read_run_record(paths.root).spec  # a resume: run.json is there
             job, record = _join(paths, settings, spec.ckpt_dir if spec is not None else None, own.startup_timeout)
+            record = with_own_secrets(record, own)
             first, resume = 1, None
         record.spec.node_rank = settings.node_rank
         return supervise_run(record, paths, first, resume, as_json, estimator=estimator, settings=settings,
                              store=job)
+
+
+def with_own_secrets(record: RunRecord, own: LaunchSpec) -> RunRecord:
+    """A non-leader node runs the leader's ``run.json``, which never holds credentials: its ranks upload with
+    the ``--storage-option`` credentials given to this node's own launcher, merged over what the leader wrote."""
+    record.spec.store_secrets = merge_options(record.spec.store_secrets or {}, own.store_secrets or {})
+    return record
 
 
 def host_job_store(settings: NodeSettings) -> JobStore:

@@ -6,7 +6,8 @@ and deletes it when it leaves, whatever the exit path (the world's ``close``).
 The ranks write ordinary snapshots there (:mod:`ckptrun.runtime.checkpoint.memory_tier`);
 because the supervisor, not a rank, owns the directory, they survive a rank
 crash. A supervisor killed with SIGKILL cannot clean up: the next ckptrun
-supervisor on the host removes directories whose owner is gone.
+supervisor on the host (any launch, with the tier or not) and ``ckptrun verify`` remove
+directories whose owner is gone.
 
 Restart choice: the newest memory snapshot of this run and of the current
 lineage (the durable directory's ``lineage.json``) that is newer than the
@@ -148,11 +149,12 @@ class MemoryDir:
 
     @classmethod
     def open(cls, spec: Any, run_id: str, root: Path = SHM_ROOT) -> "MemoryDir":
-        """Create the directory for this supervisor (an older one of this run, left by a killed supervisor, goes)."""
+        """Create the directory for this supervisor (an older one of this run, left by a killed supervisor, goes).
+        Every launch sweeps the host's stale directories first, with the tier or without it."""
+        sweep_stale(root)
         if not spec.memory_every_steps:
             return cls(None)
         refuse_unsupported(spec, root)
-        sweep_stale(root)
         path = root / directory_name(run_id)
         shutil.rmtree(path, ignore_errors=True)  # the run lock says no other supervisor runs this run
         path.mkdir(mode=0o700)

@@ -66,6 +66,8 @@ def start_run(spec: LaunchSpec, argv: list[str], as_json: bool = False, *, estim
     name = spec.name or default_name(spec.script)
     run_dir = spec.run_dir or (RUNS_ROOT / name if spec.name else unique_run_dir(RUNS_ROOT, name))
     paths, ckpt_dir = RunPaths(run_dir), ckpt_dir_of(spec, run_dir)
+    store_location.probe_local_dir(run_dir, "--run-dir")
+    store_location.probe_local_dir(ckpt_dir, "--ckpt-dir" if spec.store_url is None else "the local snapshot dir")
     if holder(paths) is None:  # refuse before creating anything (a held run dir: the lock names its holder)
         _refuse_used(paths, ckpt_dir)
         _refuse_used_store(spec)
@@ -105,6 +107,7 @@ def _refuse_used_store(spec: LaunchSpec) -> None:
     if held:
         raise CkptrunError(f"{remote.where} already holds snapshots",
                            "continue that run with `ckptrun resume --latest --run-dir RUN_DIR`, or pass an empty prefix")
+    store_location.probe_writable(remote)
 
 
 def _owner(ckpt_dir: Path) -> Path | None:

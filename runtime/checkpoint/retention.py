@@ -33,14 +33,15 @@ GARBAGE_INTERVALS = 3  # ... or younger than this many save intervals
 
 
 def apply_retention(ckpt_dir: Path, policy: Retention, run_dir: Path, paranoid: bool = False,
-                    remote: FsspecStore | None = None) -> list[int]:
+                    remote: FsspecStore | None = None, keep: str | None = None) -> list[int]:
     """Rank 0, after a publish: delete what the policy allows once the newest snapshot checks out.
-    With an object store, its prefixes follow the policy and ``ckpt_dir`` is its cache."""
+    With an object store, its prefixes follow the policy and ``ckpt_dir`` is its cache. ``keep``: the last
+    good snapshot before the run's first non-finite loss (its name), never deleted."""
     if remote is not None:
         evict_cache(ckpt_dir, policy.keep_last, run_dir)
-        return apply_remote_retention(remote, policy, run_dir, paranoid)
+        return apply_remote_retention(remote, policy, run_dir, paranoid, keep=keep)
     chain = [entry for entry, _ in store.current_lineage(ckpt_dir)]
-    doomed = set(policy.to_delete([e.step for e in chain]))
+    doomed = set(policy.to_delete([e.step for e in chain])) - {e.step for e in chain if e.name == keep}
     if not doomed:
         return []
     newest = max(chain, key=lambda e: e.step)
@@ -56,13 +57,13 @@ def apply_retention(ckpt_dir: Path, policy: Retention, run_dir: Path, paranoid: 
 
 
 def apply_remote_retention(remote: FsspecStore, policy: Retention, run_dir: Path, paranoid: bool = False,
-                           now: float | None = None) -> list[int]:
+                           now: float | None = None, keep: str | None = None) -> list[int]:
     """Rank 0, after a commit: delete the current line's prefixes the policy allows once the newest
     manifest verifies; remove interrupted uploads. Returns the deleted steps."""
     prefixes = remote.prefixes()
     line = remote.line(prefixes)
     _collect_garbage(remote, prefixes, line, run_dir, now)
-    doomed = set(policy.to_delete([p.step for p in line]))
+    doomed = set(policy.to_delete([p.step for p in line])) - {p.step for p in line if p.name == keep}
     if not doomed:
         return []
     newest = line[-1]

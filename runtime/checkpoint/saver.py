@@ -9,8 +9,10 @@ with a duty below 1, paced: :mod:`pacing`), with
 their collectives on a process group of their own (gloo), so they never
 interleave with the step's collectives; publish waits until every rank's
 write has finished, agreed over that group. At most one save is
-in flight: a save due while one runs waits for it (or, with ``overlap="skip"``,
-is skipped), with an event either way. ``sync`` runs the same code inline.
+in flight: a save due while one runs waits for it (``--save-overlap skip``: the
+step exchange skips it when every rank's saver is busy, :mod:`ckptrun.runtime.step.safeguards`).
+Staged floats that are not finite are never published (``save_refused``,
+cause ``non-finite``). ``sync`` runs the same code inline.
 With an object store, the background writer also uploads each published
 snapshot and commits it there (:mod:`remote_publish`).
 """
@@ -34,10 +36,11 @@ from ckptrun.runtime import collectives, hashing
 from ckptrun.runtime.checkpoint import pacing
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.remote_publish import upload
+from ckptrun.runtime.checkpoint.replicas import compare, digests
 from ckptrun.runtime.storage.remote_store import FsspecStore
 from ckptrun.runtime.checkpoint.save_plan import OwnedKeys
 from ckptrun.runtime.checkpoint.snapshot import FaultHook, SaveResult, SnapshotInfo, State, persist_and_publish
-from ckptrun.runtime.checkpoint.staging import Stager, local_bytes
+from ckptrun.runtime.checkpoint.staging import Stager, first_nonfinite, local_bytes
 
 DISK_MARGIN = 1.10
 DISK_SLACK = 4 << 20
@@ -90,12 +93,10 @@ class Saver:
               on_result: Callable[[SaveResult], None], waited: float = 0.0) -> None:
         """Start a save at this step boundary; its result reaches ``on_result`` (every rank) and :meth:`collect`.
 
-        Sync: done when this returns. Async: only staged; a refused preflight or a
-        skip by the overlap policy is a failed result at once.
+        Sync: done when this returns. Async: only staged; a refused preflight is a
+        failed result at once.
         """
         started = time.monotonic()
-        if self.busy() and self.overlap == "skip":
-            return self._refused(info.step, "skipped: the previous save is still in flight", on_result)
         waited += self._settle(wait=True)
         owned = self.owned(state.shared_tensors, self.group, state.first_rank_keys)
         mine = {key: tensor for key, tensor in state.shared_tensors.items() if key in owned}
@@ -109,12 +110,18 @@ class Saver:
         staged = State(state.shared_tree, self._stage(mine), state.rank_tree,
                        {k: t.detach().to("cpu", copy=True) for k, t in state.rank_tensors.items()},
                        staged_bytes=local_bytes(mine) if copies else 0, allocated_bytes=allocated)
+        replicas = digests(state.shared_tensors) if collectives.world_size() > 1 else {}  # every rank's replica
         stall = time.monotonic() - started + waited
         rss = psutil.Process().memory_info().rss
 
         def work() -> SaveResult:
             self.stager.fence()
             background = self.pool is not None
+            refused = self._agreed_values(info.step, staged.shared_tensors, replicas, temp_dir)
+            if refused is not None:
+                fault("done")
+                on_result(refused)
+                return refused
             with pacing.paced(self.duty if background else 1.0) as pacer, (hashing.helpers(1) if background else nullcontext()):
                 persisted = persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group)
             self.paused_s += pacer.paused_s
@@ -147,6 +154,27 @@ class Saver:
         if self.pool is not None or any(not t.is_cpu for t in tensors.values()):
             return self.stager.stage(tensors)
         return {key: tensor.detach() for key, tensor in tensors.items()}
+
+    def _agreed_values(self, step: int, tensors: dict[str, torch.Tensor], replicas: dict[str, int],
+                       temp_dir: Path) -> SaveResult | None:
+        """Every rank's staged floats finite and its replicas equal to the others', agreed in one gather over the
+        snapshot group (on the writer's thread: an async save's stall does not pay for the scan); else the
+        refused result (the same on every rank), and the temp dir is removed."""
+        problem = first_nonfinite(tensors)
+        refused = None
+        if collectives.world_size() > 1:
+            rows = collectives.all_gather_object((problem, replicas), group=self.group)
+            found = [f"rank {r}: {row[0]}" for r, row in enumerate(rows) if row[0]]
+            problem = found[0] if found else None
+            diverged = compare([row[1] for row in rows])
+            if problem is None and diverged is not None:
+                refused = SaveResult(False, step, error=diverged.describe(), refused="replicas-diverged",
+                                     diverged=(diverged.tensor, diverged.ranks))
+        if problem is not None:
+            refused = SaveResult(False, step, error=problem, refused="non-finite")
+        if refused is not None and collectives.rank() == 0:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        return refused
 
     def _check_stale(self, result: SaveResult) -> SaveResult:
         """Two saves at different steps whose tensor bytes are all identical: staging read stale buffers

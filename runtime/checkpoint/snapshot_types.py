@@ -84,6 +84,8 @@ class SaveResult:
     stale_of: int | None = None  # an earlier step whose tensor bytes this save repeats exactly (stale staging?)
     remote: str | None = None  # the object-store prefix it was committed to (runtime.remote_publish)
     upload_s: float = 0.0  # uploading and committing it there
+    refused: str | None = None  # not published for its values ("non-finite", "replicas-diverged"), not its bytes
+    diverged: tuple[str, tuple[int, ...]] | None = None  # replicas-diverged: the first tensor, the minority ranks
 
 
 FaultHook = Callable[[str], None]

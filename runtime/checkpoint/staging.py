@@ -36,6 +36,26 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first floating tensor holding a NaN or an inf, named, or None: one fused L2 norm over every float
+    tensor (``torch._foreach_norm``: a NaN or inf anywhere makes its tensor's norm non-finite; measured ~6x
+    cheaper on CPU than ``isfinite`` or a max-abs, see bench/finite_check.py), then one check of the results.
+    16-bit floats are normed in fp32; a norm overflows only for values beyond ~1e19: a blow-up too."""
+    keys = [k for k, t in tensors.items() if local(t).is_floating_point() and local(t).numel()]
+    if not keys:
+        return None
+    norms: dict[str, torch.Tensor] = {}
+    for dtype in {local(tensors[k]).dtype for k in keys}:  # one fused call per dtype; 16-bit floats in fp32
+        group = [k for k in keys if local(tensors[k]).dtype == dtype]  # (their own norm overflows at 65504)
+        wide = {} if dtype in (torch.float32, torch.float64) else {"dtype": torch.float32}
+        norms.update(zip(group, torch._foreach_norm([local(tensors[k]).detach() for k in group], 2, **wide)))
+    finite = torch.isfinite(torch.stack([norms[k].float().cpu() for k in keys]))
+    if bool(finite.all()):
+        return None
+    bad = keys[int((~finite).nonzero()[0])]
+    return f"non-finite values in {bad}"
+
+
 def local_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors.values())
 

@@ -5,7 +5,8 @@ rank 0's metrics line waiting for its mean loss — to an open batch. Every N
 steps (``decision_every_steps``) the batch travels in one all-gather that the
 step closing it *starts* (``async_op``), together with each rank's flags
 sampled then: a stop asked (a stop file), a save due by its clock (only rank
-0's counts), its save budget spent, and its mean step time. The step after
+0's counts), its save budget spent, its mean step time, and whether its saver
+has a save in flight (``--save-overlap skip`` skips only when every rank's has). The step after
 *reads* it, when the rows have long arrived behind that step's compute. A
 batch is also shared and read at once where every rank arrives at the same
 step — a save, a stop, the end of the loop, ``finish`` — so a snapshot never
@@ -50,6 +51,7 @@ class Agreed:
     save: bool  # rank 0's clock says a save is due
     give_up: bool  # some rank's consecutive failed saves reached the limit
     step_time_s: float  # the ranks' mean seconds per step over the batch (chooses N)
+    all_saving: bool = False  # every rank's saver had a save in flight (``--save-overlap skip`` skips only then)
 
 
 @dataclass
@@ -58,7 +60,7 @@ class _InFlight:
     rows: PendingRows
 
 
-FLAGS = 4  # stop, save, give_up, seconds per step: after the batch's losses
+FLAGS = 5  # stop, save, give_up, seconds per step, saving: after the batch's losses
 WARMUP_BATCHES = 10  # ``auto``: the first batches travel every step; their step times choose N (then each batch's)
 SETTLED_FROM = 3  # ... from the third on (the first steps pay for warm-up: allocation, the precision report)
 INTERVAL_S = 0.25  # ``auto``: at most one exchange per this much training (each costs ~0.5-1 ms of CPU with gloo)
@@ -96,14 +98,14 @@ class Exchange:
         self.open.append(StepFacts(step, loss, skipped, record))
         return len(self.open) >= self.every
 
-    def start(self, stop: bool, save: bool, give_up: bool, seconds: float = 0.0) -> None:
+    def start(self, stop: bool, save: bool, give_up: bool, seconds: float = 0.0, saving: bool = False) -> None:
         """Share the open batch with this rank's flags and the ``seconds`` its steps took here; the batch in
         flight must have been taken (batches travel in order) and every rank starts the same batches."""
         if self._pending is not None:
             raise RuntimeError(f"the shared facts up to step {self._pending.steps[-1].step} were never read")
         steps, self.open = self.open, []
         values = [facts.loss for facts in steps]
-        values += [float(stop), float(save), float(give_up), seconds / max(1, len(steps))]
+        values += [float(stop), float(save), float(give_up), seconds / max(1, len(steps)), float(saving)]
         self._pending = _InFlight(steps, start_gather(values))
 
     def peek(self) -> Agreed | None:
@@ -118,8 +120,9 @@ class Exchange:
             steps = self._pending.steps
             for facts, total in zip(steps, sums):
                 facts.loss = total / self.world_size
-            stop, _, give_up, seconds = sums[-FLAGS:]
-            self._peeked = Agreed(steps, stop > 0, rows[0][-FLAGS + 1] > 0, give_up > 0, seconds / self.world_size)
+            stop, _, give_up, seconds, saving = sums[-FLAGS:]
+            self._peeked = Agreed(steps, stop > 0, rows[0][-FLAGS + 1] > 0, give_up > 0, seconds / self.world_size,
+                                  all_saving=saving >= self.world_size)
         return self._peeked
 
     def take(self) -> Agreed | None:

@@ -90,8 +90,10 @@ class Restoring:
                 continue
             self._apply(loaded)
             self.restored_from, self.parent, self.saved_step = chosen, chosen.name, self.step
+            self._noted_restore(chosen, self.step)
             if self.memory.holds(chosen):  # not durable: the next save's parent is its durable one, and a stop saves
-                self.parent, self.saved_step = loaded.manifest.parent, None
+                self.parent, self.saved_step, self.published_step = loaded.manifest.parent, None, None
+            self.faults.after_restore(self.step, self.objects.get("model"))
             if self.rank == 0:
                 records.log_event(self.run_dir, "probe_restored" if self.env.exit_after_restore else "restored",
                                   attempt=self.env.attempt, snapshot=str(chosen), step=self.step,

@@ -42,7 +42,7 @@ class Rollback:
 
     def _on_anomaly(self, reason: str, step: int) -> bool:
         """Apply --on-anomaly to step ``step``'s loss; True when the run was rolled back (its counters are the snapshot's)."""
-        policy = self.env.on_anomaly
+        policy = self._blowup_policy(self.env.on_anomaly)
         if self.rank == 0:
             records.log_event(self.run_dir, "anomaly", step=step, reason=reason, policy=policy)
             print(f"ckptrun: anomaly at step {step}: {reason} (policy: {policy})", file=sys.stderr, flush=True)
@@ -57,7 +57,8 @@ class Rollback:
     def _rollback(self, reason: str, from_step: int) -> None:
         """Restore the previous verified snapshot in-process, fork the lineage, lower the LR, skip the data window."""
         if self.rollbacks >= self.env.max_rollbacks:
-            self._refuse(f"anomaly after {self.rollbacks} rollbacks ({reason}); lower the learning rate or inspect the data")
+            self._refuse(f"anomaly at step {from_step} after {self.rollbacks} rollbacks ({reason}); "
+                         "lower the learning rate or inspect the data")
         self._settle_saves(wait=True)
         found = self._load_newest()
         if found is None:
@@ -73,6 +74,8 @@ class Rollback:
         collectives.barrier()
         self.lineage, self.parent, self.saved_step = store.read_lineage(self.ckpt_dir).current, path.name, self.step
         self.rollbacks += 1
+        self.finite.rolled_back()
+        self.published_step = self.step
         factor = self.env.rollback_lr_factor
         hparams.scale_lr(self.objects.get("optimizer"), self.objects.get("scheduler"), factor)
         self.anomalies.history.clear()

@@ -67,11 +67,12 @@ class Saving:
         """Snapshot the whole state at this step boundary; async saves return once the state is staged."""
         if self._settle_decisions():  # the step's line and anomaly check come first (every rank is here)
             return  # rolled back: the state is a verified snapshot's
+        if self._agreed_skip() or self._refused_for_loss():  # every rank alike: the facts were shared
+            return
         self.heart.beat(self.step, "save")
         self._check_loaders()
         step, started = self.step, time.monotonic()
-        if not (self.saver.busy() and self.env.save_overlap == "skip"):
-            self._settle_saves(wait=True)  # at most one in flight; its outcome names the next parent
+        self._settle_saves(wait=True)  # at most one in flight; its outcome names the next parent
         if self.save_budget_spent is not None:  # every rank settled the same results: they agree here
             self._refuse(f"{self.save_budget_spent}; free disk space or fix the checkpoint dir, "
                          "then `ckptrun resume --latest`", EXIT_FAILED)
@@ -122,19 +123,26 @@ class Saving:
                 records.log_event(self.run_dir, "stale_staging", step=result.step, same_as_step=result.stale_of)
                 print(f"ckptrun: warning: snapshot step {result.step} holds exactly the tensors of step {result.stale_of}: "
                       "stale staging, or training changed nothing", file=sys.stderr, flush=True)
-            apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention, self.saver.remote)
+            apply_retention(self.ckpt_dir, self.retention, self.run_dir, self.env.paranoid_retention, self.saver.remote,
+                            keep=self.last_good)
         else:
-            records.log_event(self.run_dir, "save_skipped" if result.skipped else "save_failed", step=result.step, error=result.error)
-            print(f"ckptrun: SAVE FAILED at step {result.step}: {result.error}", file=sys.stderr, flush=True)
+            if result.diverged is not None:
+                self._record_divergence(result)
+            kind = "save_refused" if result.refused else "save_skipped" if result.skipped else "save_failed"
+            records.log_event(self.run_dir, kind, step=result.step, error=result.error, cause=result.refused)
+            print(f"ckptrun: SAVE {'REFUSED' if result.refused else 'FAILED'} at step {result.step}: {result.error}",
+                  file=sys.stderr, flush=True)
 
     def _settle_saves(self, wait: bool = False) -> None:
         """Account for finished saves: the parent of the next one, and the consecutive-failure budget."""
         self.memory.settle(wait)
         for result in self.saver.collect(wait):
             if result.ok:
-                self.published = result.path.name  # type: ignore[union-attr]
-            elif self.saved_step == result.step:
-                self.saved_step, self.parent = None, self.published
+                self.published, self.published_step = result.path.name, result.step  # type: ignore[union-attr]
+            elif self.saved_step == result.step:  # saved_step stays: it moved on every rank at the same step
+                self.parent = self.published
+            if result.diverged is not None:
+                self._act_on_divergence(result)
             if self.failed_saves.record(result.ok):
                 self.save_budget_spent = f"{self.failed_saves.consecutive} consecutive saves failed (last: {result.error})"
             if self.rank == 0:

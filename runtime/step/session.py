@@ -47,6 +47,7 @@ from ckptrun.runtime.step.precision_report import REPORT, DtypeRecorder, write_r
 from ckptrun.runtime.step.restoring import Restoring
 from ckptrun.runtime.step.rollback import Rollback
 from ckptrun.runtime.step.saving import Saving
+from ckptrun.runtime.step.safeguards import Safeguards
 from ckptrun.runtime.step.step_end import StepEnd
 from ckptrun.runtime.storage.remote_store import open_store
 from ckptrun.runtime.worker.fault_injection import FaultInjector
@@ -59,7 +60,7 @@ def _code_version() -> str:
         return ""
 
 
-class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving):
+class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
     """State, counters and policy of one training process. Create it with :func:`init`."""
 
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
@@ -105,6 +106,7 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving):
         self._start_step_end(self.world_size)
         self.saved_step: int | None = None
         self.restored_from: Path | None = None
+        self._start_safeguards()
 
     # --- registration -----------------------------------------------------------
 
@@ -222,6 +224,7 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving):
     def _final_save(self) -> None:
         """Wait for the in-flight save; save this step unless it is saved; wait for that too."""
         self._settle_saves(wait=True)
+        self._finishing = True  # a final save is never skipped for overlap
         if self.saved_step != self.step and self.step > 0:
             self.save()
             self._settle_saves(wait=True)
@@ -240,7 +243,9 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving):
         if self._due is not None:  # the last step's save and faults; a stop asked then is moot: the run is complete
             self._due = (False, self._due[1])
             self._close_step()
+        self._require_finite_end()
         self._final_save()
+        self._require_final_snapshot()
         self.saver.close()
         self.memory.close()
         if self.rank == 0:

@@ -44,6 +44,7 @@ class StepEnd:
     _due: tuple[bool, bool] | None
     _defer: bool
     _lr_used: float | None
+    _all_saving: bool
 
     if TYPE_CHECKING:  # provided by Run; stubs here would shadow them in the MRO
         def _refuse(self, message: str, code: int = ..., fatal: bool = ...) -> None: ...
@@ -53,6 +54,8 @@ class StepEnd:
         def _stop(self) -> None: ...
         def save(self) -> None: ...
         def _memory_save(self) -> None: ...
+        def _watch_loss(self, step: int, loss: float) -> bool: ...
+        def _blame_restored(self, step: int, loss: float) -> None: ...
 
     def _start_step_end(self, world_size: int) -> None:
         """Called once by ``Run.__init__``."""
@@ -91,6 +94,7 @@ class StepEnd:
         if skipped:
             return local
         self.step = step
+        self.faults.after_optimizer_step(step, self.objects.get("model"))
         self.heart.beat(step, "train")
         stop, save = self._due or (False, False)
         self._due = (stop or self._carried[0], save or self._carried[1] or self.cadence.step_due(step))
@@ -104,7 +108,7 @@ class StepEnd:
         self._settle_saves()
         now = time.monotonic()
         self.exchange.start(self._stop_requested(), self._time_to_save(), self.save_budget_spent is not None,
-                            now - self._shared_at)
+                            now - self._shared_at, saving=self.saver.busy())
         self._shared_at = now
 
     def _time_to_save(self) -> bool:
@@ -132,11 +136,15 @@ class StepEnd:
             self._refuse(f"{self.save_budget_spent or 'saves failed on another rank'}; free disk space or fix the "
                          "checkpoint dir, then `ckptrun resume --latest`", 1)  # EXIT_FAILED, fatal: no restart onto a full disk
         self._carried = (self._carried[0] or agreed.stop, self._carried[1] or agreed.save)
+        self._all_saving = agreed.all_saving
         self._tune_exchange(agreed)
         lines = []
         for facts in agreed.steps:
             if facts.record is not None:
                 lines.append(self._line(facts))
+            if not facts.skipped and self._watch_loss(facts.step, facts.loss):  # poison right after a restore
+                self.metrics_log.append_many(lines)
+                self._blame_restored(facts.step, facts.loss)
             anomaly = None if facts.skipped else self.anomalies.check(facts.loss)
             if anomaly is not None:
                 self.metrics_log.append_many(lines)  # the anomalous step's line first, as the steps before it

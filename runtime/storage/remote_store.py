@@ -40,6 +40,7 @@ without torch; fsspec is imported only when a store is made.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import time
@@ -151,8 +152,9 @@ class FsspecStore:
     # --- writing -----------------------------------------------------------------
 
     def open_new(self, step: int) -> str:
-        """A fresh prefix name; nothing is written until the first file."""
-        return f"{snapshot_name(step)}-{uuid.uuid4().hex[:8]}"
+        """A fresh prefix name; nothing is written until the first file. A run's prefixes start their id with
+        its tag, so an upload in flight is known as this run's before its manifest exists (:meth:`garbage`)."""
+        return f"{snapshot_name(step)}-{run_tag(self.run_id)}{uuid.uuid4().hex[:8]}"
 
     @contextlib.contextmanager
     def open_write(self, handle: str, relpath: str) -> Iterator[BinaryIO]:
@@ -207,13 +209,29 @@ class FsspecStore:
             yield json.loads(self.fs.cat_file(name))
 
     def garbage(self, min_age_s: float, now: float | None = None, prefixes: list[Prefix] | None = None) -> list[str]:
-        """Manifest-less prefixes untouched for ``min_age_s``: interrupted uploads. Deletes them; returns their names."""
+        """This run's manifest-less prefixes untouched for ``min_age_s``: interrupted uploads. Deletes them; returns
+        their names. Another run's (a racing run on the same location, whose upload may be in flight) are never
+        touched, nor any when the store is bound to no run."""
         now = time.time() if now is None else now
+        if self.run_id is None:
+            return []
+        tag = run_tag(self.run_id)
         doomed = [p.name for p in (self.prefixes() if prefixes is None else prefixes)
-                  if not p.committed and now - p.modified >= min_age_s]
+                  if not p.committed and now - p.modified >= min_age_s and _written_by(p.name, tag)]
         for name in doomed:
             self.discard(name)
         return doomed
+
+
+def run_tag(run_id: str | None) -> str:
+    """8 hex digits naming a run inside its prefixes' ids (none for a store bound to no run)."""
+    return hashlib.sha256(run_id.encode()).hexdigest()[:8] if run_id else ""
+
+
+def _written_by(name: str, tag: str) -> bool:
+    """A prefix named by :meth:`FsspecStore.open_new` of the run whose tag is ``tag``."""
+    ident = name.rsplit("-", 1)[-1]
+    return len(ident) == len(tag) + 8 and ident.startswith(tag)
 
 
 def _mtime(info: dict[str, Any]) -> float:

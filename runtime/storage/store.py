@@ -318,7 +318,7 @@ def publish(temp_dir: Path, step: int) -> Path:
     return final
 
 
-def quarantine(snapshot: Path, status: str, reason: str) -> Path:
+def quarantine(snapshot: Path, status: str, reason: str, **details: Any) -> Path:
     """Move a published snapshot to ``quarantine/<stamp>/`` with ``reason.json``: kept, never resumed from.
 
     The reason is written first, so a crash in between leaves it next to nothing
@@ -326,7 +326,7 @@ def quarantine(snapshot: Path, status: str, reason: str) -> Path:
     """
     holder = snapshot.parent / QUARANTINE_DIR / f"{int(time.time())}-{uuid.uuid4().hex[:6]}"
     holder.mkdir(parents=True)
-    write_file_atomic(holder / REASON_NAME, json.dumps({"status": status, "reason": reason, "time": time.time()}))
+    write_file_atomic(holder / REASON_NAME, json.dumps({"status": status, "reason": reason, "time": time.time(), **details}))
     os.rename(snapshot, holder / snapshot.name)
     fsync_dir(snapshot.parent)
     return holder / snapshot.name

@@ -69,11 +69,23 @@ class FaultInjector:
                 grad = next(p.grad for p in model.parameters() if p.grad is not None)
                 grad.view(-1)[0] = float("inf")
 
+    def after_optimizer_step(self, step: int, model: Any) -> None:
+        """nan-after / nudge-replica: once ``step`` is done, damage this rank's parameters (state tests)."""
+        for fault in self.faults:
+            if fault.kind in ("nan-after", "nudge-replica") and fault.step == step and self._once(fault):
+                _damage(model, nudge=fault.kind == "nudge-replica")
+
+    def after_restore(self, step: int, model: Any) -> None:
+        """poison-after-restore: the snapshot of ``step`` was just restored; its values become NaN."""
+        for fault in self.faults:
+            if fault.kind == "poison-after-restore" and fault.step == step and self._once(fault):
+                _damage(model, nudge=False)
+
     def during_save(self, step: int, phase: str) -> None:
         """A save reached ``phase`` ("done" when its outcome is known)."""
         self.saving = None if phase == "done" else (step, phase)
         for fault in self.faults:
-            if fault.kind == "slow-save" and phase != "done":
+            if fault.kind == "slow-save" and phase != "done" or fault.kind == "slow-retention" and phase == "done":
                 time.sleep((fault.ms or 0) / 1000)
             if fault.kind == "enospc" and phase == "persist" and step >= (fault.step or 0):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
@@ -97,3 +109,16 @@ class FaultInjector:
         elif fault.kind == "hang":
             while True:
                 time.sleep(3600)
+
+
+def _damage(model: Any, nudge: bool) -> None:
+    """Every parameter NaN, or (``nudge``) the first element of the first parameter one ulp up."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            flat = param.data.view(-1)
+            if nudge:
+                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+                return
+            flat.fill_(float("nan"))

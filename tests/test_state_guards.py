@@ -1,0 +1,132 @@
+"""Good bytes are not good state (issue 24): what a run publishes, keeps and reports when its values go bad.
+
+Runtime scripts on real ranks (torchrun, gloo, CPU) with faults from C1; pure checks as tables.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptrun.runtime.checkpoint.staging import first_nonfinite
+from ckptrun.runtime.checkpoint.verify import verify_snapshot
+from ckptrun.runtime.records import final_losses, read_events
+from ckptrun.runtime.step.finite_watch import FiniteWatch, limit_for
+from ckptrun.runtime.storage import store
+from workers import run_job, shared_tensors
+
+FIXTURES = Path(__file__).parent / "fixtures"
+STATE_JOB = FIXTURES / "state_job.py"
+
+
+def published(ckpt_dir: Path) -> dict[str, Path]:
+    return {e.name: e.path for e in store.list_entries(ckpt_dir, include_abandoned=True) if e.kind == "published"}
+
+
+# --- pure checks -----------------------------------------------------------------
+
+
+def test_a_blow_up_is_k_non_finite_losses_in_a_row_and_a_save_after_one_is_refused():
+    watch = FiniteWatch(limit_for(50))
+    assert watch.limit == 3 and limit_for(2) == 2
+    assert not watch.observe(1, 0.5) and watch.begin_save() is None
+    assert watch.observe(2, math.nan), "the run's first non-finite loss"
+    assert not watch.observe(3, math.inf) and not watch.blown_up()
+    assert watch.begin_save() == 2 and watch.begin_save() is None, "refused once, for the window it saw"
+    watch.observe(4, math.nan)
+    assert watch.blown_up() and watch.final_nonfinite() == 4 and watch.first_nonfinite == 2
+    watch.rolled_back()
+    assert not watch.blown_up() and watch.final_nonfinite() is None and watch.first_nonfinite == 2
+
+
+def test_a_non_finite_loss_within_k_steps_of_a_restore_blames_it_later_ones_do_not():
+    watch = FiniteWatch(3, restored_step=15)
+    watch.observe(16, 0.4)
+    assert not watch.poisoned()
+    watch.observe(18, math.nan)
+    assert watch.poisoned()
+    late = FiniteWatch(3, restored_step=15)
+    late.observe(19, math.nan)
+    assert not late.poisoned()
+
+
+def test_the_staged_floats_check_names_the_first_non_finite_tensor_and_ignores_integers():
+    tensors = {"a": torch.ones(4), "steps": torch.tensor([3]), "b": torch.tensor([1.0, math.inf]), "c": torch.ones(2)}
+    assert first_nonfinite(tensors) == "non-finite values in b"
+    tensors["b"] = torch.tensor([math.nan, 1.0], dtype=torch.bfloat16)
+    assert first_nonfinite(tensors) == "non-finite values in b"
+    large = {"a": torch.full((3,), 6e4, dtype=torch.float16), "b": torch.full((10**6,), 100.0, dtype=torch.bfloat16)}
+    assert first_nonfinite({**large, "n": torch.empty(0)}) is None, "finite values whose 16-bit norm would overflow"
+
+
+# --- real ranks ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_weights_that_blow_up_are_never_published_the_last_good_snapshot_survives_and_the_run_rolls_back(tmp_path):
+    """Weights NaN after step 15 (save every 5, keep 2), default --on-anomaly: the save of step 15 is refused
+    at stage (non-finite parameters), three NaN losses roll back to step 10, which retention never deletes,
+    and the run completes finite. Before: exit 0 with NaN losses and only NaN snapshots left."""
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, nproc=2, script=STATE_JOB, args=("--steps", "30"), save_every_steps=5, keep_last=2,
+                     fault="nan-after:step=15", timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    refused = read_events(run_dir, "save_refused")
+    assert [(e["step"], e["cause"]) for e in refused] == [(15, "non-finite")], refused
+    rollback = read_events(run_dir, "rollback")
+    assert [(e["from_step"], e["to_step"]) for e in rollback] == [(18, 10)]
+    snapshots = published(run_dir / "checkpoints")
+    assert store.snapshot_name(10) in snapshots, f"the last good snapshot was deleted: {sorted(snapshots)}"
+    assert verify_snapshot(snapshots[store.snapshot_name(10)]).ok
+    for name, path in snapshots.items():
+        bad = [key for key, t in shared_tensors(path).items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        assert not bad, f"{name} holds non-finite {bad[:3]}"
+    losses = final_losses(run_dir)
+    assert max(losses) == 30 and math.isfinite(losses[30])
+
+
+@pytest.mark.timeout(300)
+def test_save_overlap_skip_with_one_slow_rank_completes_and_every_rank_skips_the_same_saves(tmp_path):
+    """A save every step, rank 0's saves slowed: a save is skipped only when every rank's saver is busy (shared
+    in the step exchange), every rank skips the same steps, and a skip is not a failed save. Before: rank 0
+    skipped while rank 1 entered the save (deadlock), or 3 "failed" skips stopped the run with exit 1. Rank 0's
+    writer is held after each outcome (slow-retention), so its saver is busy when rank 1's is not."""
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, nproc=2, script=STATE_JOB, args=("--steps", "60"), save_every_steps=1,
+                     save_overlap="skip", fault="slow-save:rank=0:ms=5;slow-retention:rank=0:ms=40", timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = read_events(run_dir, "save_skipped")
+    by_rank = {rank: sorted(e["step"] for e in skipped if e.get("rank") == rank) for rank in (0, 1)}
+    assert by_rank[0] and by_rank[0] == by_rank[1], by_rank
+    assert not read_events(run_dir, "save_failed")
+    saved = [e["step"] for e in read_events(run_dir, "snapshot_saved")]
+    assert saved[-1] == 60 and len(saved) > 2 and set(saved) & set(by_rank[0]) <= {60}, "a final save is never skipped"
+
+    assert all(verify_snapshot(path).ok for path in published(run_dir / "checkpoints").values())
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_nudged_by_one_ulp_is_caught_at_the_next_save_and_the_restart_is_bitwise_exact(tmp_path):
+    """DDP, rank 1's weights one ulp off after step 12: the save of step 15 compares the ranks' replica digests,
+    names rank 1 and the tensor (`replicas_diverged`), publishes nothing and exits 1 (restart); the next attempt
+    restores 10, the last snapshot whose replicas agreed, and ends bitwise equal to an uninterrupted run.
+    Before: never noticed, the replicas stayed apart to the end."""
+    run_dir, reference_dir = tmp_path / "run", tmp_path / "reference"
+    fields = dict(nproc=2, script=STATE_JOB, args=("--steps", "20"), save_every_steps=5, timeout=200)
+    diverged = run_job(run_dir, fault="nudge-replica:rank=1:step=12", **fields)
+    assert diverged.returncode != 0, diverged.stderr[-3000:]
+    events = read_events(run_dir, "replicas_diverged")
+    assert [(e["step"], e["ranks"]) for e in events] == [(15, [1])], events
+    assert events[0]["tensor"].startswith("model.") and events[0]["suspect"] == []
+    assert sorted(published(run_dir / "checkpoints")) == [store.snapshot_name(5), store.snapshot_name(10)]
+    resumed = run_job(run_dir, attempt=2, **fields)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [Path(e["snapshot"]).name for e in read_events(run_dir, "restored")] == [store.snapshot_name(10)]
+    assert run_job(reference_dir, **fields).returncode == 0
+    got, want = final_losses(run_dir), final_losses(reference_dir)
+    assert sorted(got) == sorted(want) and all(got[s].hex() == want[s].hex() for s in want)
+    for rank in (0, 1):
+        assert (run_dir / f"final-{rank}.json").read_text() == (reference_dir / f"final-{rank}.json").read_text()
