@@ -110,7 +110,8 @@ class Saver:
         staged = State(state.shared_tree, self._stage(mine), state.rank_tree,
                        {k: t.detach().to("cpu", copy=True) for k, t in state.rank_tensors.items()},
                        staged_bytes=local_bytes(mine) if copies else 0, allocated_bytes=allocated)
-        replicas = digests(state.shared_tensors) if collectives.world_size() > 1 else {}  # every rank's replica
+        replicas = digests({k: v for k, v in state.shared_tensors.items() if k not in state.first_rank_keys}) \
+            if collectives.world_size() > 1 else {}  # every rank's replica; DDP buffers are rank 0's by design
         stall = time.monotonic() - started + waited
         rss = psutil.Process().memory_info().rss
 
