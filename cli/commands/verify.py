@@ -45,6 +45,7 @@ from ckptrun.runtime.storage.store import (
     quarantine_reason,
     read_lineage,
 )
+from ckptrun.runtime.checkpoint import framework_files
 from ckptrun.runtime.checkpoint.verify import (
     CORRUPT,
     IN_PROGRESS,
@@ -75,6 +76,8 @@ def verify(
     if isinstance(where, StoreUrl):
         return _verify_store(where, as_json, quick, threads)
     path = where
+    if framework_files.find(path) and not _is_ckpt_dir(path):
+        return _verify_framework(path, as_json, quick)
     ckpt_dir, entries = _target(path)
     lineage, lineage_problems = _lineage(ckpt_dir)
     total = sum(_listed_bytes(e) for e in entries) if ckpt_dir is None else bytes_to_verify(ckpt_dir)
@@ -105,6 +108,22 @@ def _verify_store(url: StoreUrl, as_json: bool, quick: bool, threads: int | None
         _print_json(url.url, ok, quick, reports, [])
     else:
         _print_table(reports, quick, [])
+    return EXIT_OK if ok else EXIT_NO
+
+
+def _verify_framework(path: Path, as_json: bool, quick: bool) -> int:
+    """A Lightning / HF Trainer checkpoint directory published by ``ckptrun.integrations``."""
+    verdicts = framework_files.report(path, sizes_only=quick)
+    ok = not any(v["status"] in ("corrupt", "incomplete") for v in verdicts)
+    if as_json:
+        print(json.dumps({"path": str(path), "ok": ok, "quick": quick, "framework_checkpoints": verdicts}, indent=1))
+        return EXIT_OK if ok else EXIT_NO
+    for v in verdicts:
+        problem = "; ".join(map(str, v["problems"]))  # type: ignore[arg-type]
+        print(f"{v['step'] if v['step'] is not None else '-':>8}  {Path(str(v['path'])).name}  {v['framework'] or '-'}  "
+              f"{v['files']} file(s)  {human_bytes(int(v['bytes']))}  {v['status']}  {problem}".rstrip())  # type: ignore[arg-type]
+    good = sum(v["status"] == "ok" for v in verdicts)
+    print(f"{good} of {len(verdicts)} framework checkpoint(s) verified{' (sizes only)' if quick else ''}")
     return EXIT_OK if ok else EXIT_NO
 
 

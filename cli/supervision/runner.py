@@ -138,7 +138,8 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
         given = {key: value for key, value in overrides.items() if value is not None}
         record.spec = build_spec({**record.spec.model_dump(), **given})  # a bad combination: one line, exit 2
         ckpt_dir = ckpt_dir_of(record.spec, run_dir)
-        plain = bool(records.read_events(run_dir, "plain_script"))  # it resumes from its own files
+        plain = bool(records.read_events(run_dir, "plain_script")  # it resumes from its own files
+                     or records.read_events(run_dir, "framework_script"))
         if source and record.spec.store_url:
             raise CkptrunError("resume --from is not supported on an object store yet", "use --latest")
         snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir, record.spec, run_dir, record.run_id)

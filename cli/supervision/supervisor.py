@@ -46,6 +46,7 @@ class Supervisor:
         self.stalled_restarts = 0
         self.runtime_seen = False  # a runtime heartbeat, or a failure record saying the script imports the runtime
         self.plain_seen = False  # a step-hook heartbeat: the script does not use the runtime
+        self.framework_seen = False  # a heartbeat of ckptrun.integrations: Lightning / HF Trainer, its own checkpoints
         self.runtime_only_faults = sorted({f.kind for f in parse_faults(faults)} - set(STEP_FAULTS))
         self.pending_restart: dict[str, Any] | None = None
         self.recovery = Recovery(recovery)
@@ -106,7 +107,7 @@ class Supervisor:
                 self._force_stop(watch, obs)
                 return True
             return False
-        stale = stale_ranks(obs, watch.beats, watch.launched, self.timeouts, self.runtime_seen)
+        stale = stale_ranks(obs, watch.beats, watch.launched, self.timeouts, self.runtime_seen or self.framework_seen)
         if stale:
             self._stalled(watch, obs, stale)
             return True
@@ -120,6 +121,8 @@ class Supervisor:
                 watch.beats[rank] = view.beat
                 if view.beat.source == "runtime":
                     self.runtime_seen = True
+                elif view.beat.source == "framework":
+                    self._framework_notice()
                 else:
                     self._plain_script_notice()
             if not view.alive and watch.gone_at is None:
@@ -165,7 +168,17 @@ class Supervisor:
     @property
     def plain(self) -> bool:
         """The script does not use ckptrun.runtime: its steps are seen only through torch's optimizer hook."""
-        return self.plain_seen and not self.runtime_seen
+        return self.plain_seen and not self.runtime_seen and not self.framework_seen
+
+    def _framework_notice(self) -> None:
+        """Said once: the script's framework keeps its own checkpoints, published and resumed through
+        ``ckptrun.integrations`` (its ``resume_path``), and saves on a stop."""
+        if self.framework_seen:
+            return
+        self.framework_seen = True
+        self.world.event("framework_script")
+        self.world.say("note: this script uses a ckptrun framework integration: a restart resumes from its newest "
+                       "verified checkpoint (resume_path), `ckptrun stop` saves one; bitwise resume needs the runtime")
 
     def _plain_script_notice(self) -> None:
         """Said once, when it is known: a step-hook heartbeat, or a failure record of a script without the runtime."""
@@ -291,6 +304,7 @@ class Supervisor:
             "verify_s": snapshot.verify_s if snapshot else 0.0, "backoff_s": verdict.delay,
         }
         where = (f"from snapshot step {snapshot.step}" if snapshot else
+                 "(the script resumes from its newest verified checkpoint)" if self.framework_seen else
                  "(the script resumes from its own files)" if self.plain else "from the start (no verified snapshot)")
         self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} {where}")
         return snapshot
@@ -349,6 +363,8 @@ class Supervisor:
     def _stopped(self, watch: AttemptWatch) -> Outcome:
         if self.plain:
             return self._plain_stopped(watch)
+        if self.framework_seen:
+            return self._framework_stopped(watch)
         stopped = self.world.attempt_events("stopped")
         try:
             step = self.world.newest_step()  # from a store's listing: a stop does not download the snapshot
@@ -383,6 +399,21 @@ class Supervisor:
                            "`ckptrun resume --latest` relaunches it from its own files", attempts, self.restarts)
         return Outcome(EXIT_STOPPED, "stopped: the script exited cleanly on SIGTERM",
                        "continue with `ckptrun resume --latest` (it resumes from its own files)", attempts, self.restarts)
+
+    def _framework_stopped(self, watch: AttemptWatch) -> Outcome:
+        """A framework script saved its own checkpoint at the agreed stop (its ``stopped`` event names it)."""
+        attempts = watch.attempt - self.first_attempt + 1
+        stopped = self.world.attempt_events("stopped")
+        saved = stopped[-1] if stopped and stopped[-1].get("checkpoint") else None
+        self.world.event("run_stopped", attempt=watch.attempt, forced=watch.forced, framework=True,
+                         step=stopped[-1].get("step") if stopped else watch.last_step,
+                         checkpoint=saved.get("checkpoint") if saved else None)
+        if saved is None or watch.forced:
+            return Outcome(EXIT_NO, "stopped, but the script saved no checkpoint at the stop",
+                           "`ckptrun resume --latest` relaunches it from its newest verified checkpoint, if any",
+                           attempts, self.restarts)
+        return Outcome(EXIT_STOPPED, f"stopped; the script saved its checkpoint at step {saved.get('step')} "
+                       f"({saved.get('checkpoint')})", "continue with `ckptrun resume --latest`", attempts, self.restarts)
 
     def _aborted(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
         """A recovery check ended the run: an RTO over a strict budget, a diverged resume."""

@@ -42,7 +42,7 @@ class Heartbeater:
         self.last = 0.0
         (run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
         self._file: HeartbeatFile | None = None  # opened at the first beat
-        if source == "runtime":
+        if source != "step-hook":  # the runtime's or an integration's steps are the global ones
             Heartbeater.runtime_active = True
 
     def beat(self, step: int, phase: Phase, force: bool = False) -> bool:
