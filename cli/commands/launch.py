@@ -239,5 +239,9 @@ def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float,
         how = "did not exit cleanly on SIGTERM" if last.get("forced") else "exited cleanly on SIGTERM"
         print(f"ckptrun: stopped; the script {how}", file=sys.stderr)
         return EXIT_OK
+    if last.get("framework"):
+        print(f"ckptrun: stopped; the script saved its checkpoint at step {last.get('step')}: {last.get('checkpoint')}",
+              file=sys.stderr)
+        return EXIT_OK
     print(f"ckptrun: stopped; newest verified snapshot: step {last.get('snapshot_step')}", file=sys.stderr)
     return EXIT_OK

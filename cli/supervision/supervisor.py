@@ -350,7 +350,16 @@ class Supervisor:
         if not final and (watch.first_step_time is None or not self.recovery.settled()):
             return
         self.pending_restart = None
+        self._resumed_from_own_files(pending)
         self.recovery.log_restart(self.world, pending)
+
+    def _resumed_from_own_files(self, pending: dict[str, Any]) -> None:
+        """A script that resumes from its own checkpoint says at which global step it started (a framework
+        integration's ``framework_started``): the steps lost are counted from there, not from 0."""
+        started = self.world.attempt_events("framework_started")
+        if pending["snapshot"] is None and started and pending.get("lost_steps") is not None:
+            step = int(started[-1]["step"])
+            pending.update(resumed_step=step, lost_steps=max(0, pending["lost_steps"] - step))
 
     # --- outcomes -----------------------------------------------------------------
 
