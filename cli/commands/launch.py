@@ -93,6 +93,7 @@ def launch(
     max_rollbacks: Optional[int] = _opt("--max-rollbacks", "Rollbacks before an anomaly stops the run. [default: 3]", POLICY),
     inject_fault: Optional[str] = _opt("--inject-fault", "Fault spec for tests and demos, e.g. kill:rank=1:step=17 (see README).", POLICY),
     max_restarts: Optional[int] = _opt("--max-restarts", "Restarts before giving up (exit 1). [default: 3]", SUPERVISION),
+    restart_args: Optional[str] = _opt("--restart-args", "Arguments appended to the script's on every restart and on resume, e.g. \"--resume\" (CKPTRUN_RESTART=1 is set then too).", SUPERVISION, metavar='"ARGS"'),
     heartbeat_timeout: Optional[str] = _opt("--heartbeat-timeout", "A training rank silent this long is hung. [default: 300s]", SUPERVISION),
     startup_timeout: Optional[str] = _opt("--startup-timeout", "Allowance for start-up and restore. [default: 600s]", SUPERVISION),
     save_timeout: Optional[str] = _opt("--save-timeout", "Allowance for one snapshot save. [default: 900s]", SUPERVISION),

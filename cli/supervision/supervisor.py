@@ -27,7 +27,7 @@ from ckptrun.cli.supervision.observation import AttemptWatch, Observation, Outco
 from ckptrun.cli.supervision.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect,
                                             stale_ranks, waiting_on_peers)
 from ckptrun.cli.supervision.recovery import Recovery, RecoveryOptions, relaunch_parts
-from ckptrun.cli.supervision import unloadable
+from ckptrun.cli.supervision import own_checkpoints, unloadable
 from ckptrun.cli.supervision.snapshot_source import SnapshotUnavailable
 from ckptrun.runtime.faults import parse_faults
 
@@ -129,6 +129,8 @@ class Supervisor:
                 watch.gone_at = obs.time
         if obs.last_step is not None:
             watch.last_step, watch.last_step_time = obs.last_step, obs.last_step_time
+        if obs.steps and watch.first_step is None:
+            watch.first_step = int(obs.steps[0]["step"])
         if obs.first_step_time is not None and watch.first_step_time is None:
             watch.first_step_time = obs.first_step_time
             if watch.state is State.STARTING:
@@ -187,7 +189,8 @@ class Supervisor:
         self.plain_seen = True
         self.world.event("plain_script")
         self.world.say("note: this script does not use ckptrun.runtime: its optimizer steps are watched (hangs, "
-                       "status, faults) and a failure restarts it (it resumes from its own files); verified "
+                       "status, faults) and a failure restarts it (its optimizer's step count shows whether it resumed from its own "
+                       "files); verified "
                        "snapshots, exact resume and saving on `ckptrun stop` need the runtime.")
         if self.runtime_only_faults:
             self.world.say(f"warning: --inject-fault {', '.join(self.runtime_only_faults)} can never fire: "
@@ -305,7 +308,7 @@ class Supervisor:
         }
         where = (f"from snapshot step {snapshot.step}" if snapshot else
                  "(the script resumes from its newest verified checkpoint)" if self.framework_seen else
-                 "(the script resumes from its own files)" if self.plain else "from the start (no verified snapshot)")
+                 "(the script should resume from its own files)" if self.plain else "from the start (no verified snapshot)")
         self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} {where}")
         return snapshot
 
@@ -350,16 +353,22 @@ class Supervisor:
         if not final and (watch.first_step_time is None or not self.recovery.settled()):
             return
         self.pending_restart = None
-        self._resumed_from_own_files(pending)
+        if self.plain or self.framework_seen:
+            self._resumed_from_own_files(watch, pending)
         self.recovery.log_restart(self.world, pending)
 
-    def _resumed_from_own_files(self, pending: dict[str, Any]) -> None:
-        """A script that resumes from its own checkpoint says at which global step it started (a framework
-        integration's ``framework_started``): the steps lost are counted from there, not from 0."""
-        started = self.world.attempt_events("framework_started")
-        if pending["snapshot"] is None and started and pending.get("lost_steps") is not None:
-            step = int(started[-1]["step"])
-            pending.update(resumed_step=step, lost_steps=max(0, pending["lost_steps"] - step))
+    def _resumed_from_own_files(self, watch: AttemptWatch, pending: dict[str, Any]) -> None:
+        """No snapshot was chosen: the lost steps count from where the script resumed, and a script that
+        started over is said to have (``started_over``), with the fix."""
+        resumed = own_checkpoints.resumed_step(self.world.attempt_events("framework_started"), self.plain,
+                                               watch.first_step)
+        started_over = own_checkpoints.account(pending, resumed)
+        if started_over is None:
+            self.world.say(own_checkpoints.describe_resume(watch.attempt, resumed))
+            return
+        self.world.event("started_over", **started_over)
+        self.world.say(f"warning: attempt {watch.attempt} started over at step 1 (attempt {watch.attempt - 1} "
+                       f"reached step {started_over['previous_step']}): {own_checkpoints.STARTED_OVER_HINT}")
 
     # --- outcomes -----------------------------------------------------------------
 
@@ -411,18 +420,12 @@ class Supervisor:
 
     def _framework_stopped(self, watch: AttemptWatch) -> Outcome:
         """A framework script saved its own checkpoint at the agreed stop (its ``stopped`` event names it)."""
-        attempts = watch.attempt - self.first_attempt + 1
         stopped = self.world.attempt_events("stopped")
-        saved = stopped[-1] if stopped and stopped[-1].get("checkpoint") else None
         self.world.event("run_stopped", attempt=watch.attempt, forced=watch.forced, framework=True,
                          step=stopped[-1].get("step") if stopped else watch.last_step,
-                         checkpoint=saved.get("checkpoint") if saved else None)
-        if saved is None or watch.forced:
-            return Outcome(EXIT_NO, "stopped, but the script saved no checkpoint at the stop",
-                           "`ckptrun resume --latest` relaunches it from its newest verified checkpoint, if any",
-                           attempts, self.restarts)
-        return Outcome(EXIT_STOPPED, f"stopped; the script saved its checkpoint at step {saved.get('step')} "
-                       f"({saved.get('checkpoint')})", "continue with `ckptrun resume --latest`", attempts, self.restarts)
+                         checkpoint=stopped[-1].get("checkpoint") if stopped else None)
+        return own_checkpoints.framework_stopped(stopped, watch.forced, watch.attempt - self.first_attempt + 1,
+                                                 self.restarts)
 
     def _aborted(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
         """A recovery check ended the run: an RTO over a strict budget, a diverged resume."""
