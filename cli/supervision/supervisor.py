@@ -222,7 +222,7 @@ class Supervisor:
         stopped_event = bool(self.world.attempt_events("stopped"))
         if watch.state is State.STOPPING and self.plain:
             watch.state, watch.forced = State.STOPPED, obs.agent_exit != 0  # clean only if every rank exited 0
-        elif obs.agent_exit == 0:
+        elif obs.agent_exit == 0 or self._crashed_after_completion(watch, obs):
             watch.state = State.SUCCEEDED
         elif watch.state is State.STOPPING or stopped_event:
             watch.state = State.STOPPED
@@ -234,6 +234,18 @@ class Supervisor:
         if watch.failure is not None:
             watch.teardown_s = self.world.now() - (watch.detected_at or obs.time)
             self._report_failure(watch)
+
+    def _crashed_after_completion(self, watch: AttemptWatch, obs: Observation) -> bool:
+        """The ranks logged ``completed`` (the final snapshot is published), then exited non-zero: the run is
+        done, never restarted (a restart would train past its end and let retention delete the final snapshot)."""
+        completed = self.world.attempt_events("completed")
+        if not completed:
+            return False
+        step = completed[-1].get("step")
+        self.world.event("crashed_after_completion", attempt=watch.attempt, exit_code=obs.agent_exit, step=step)
+        self.world.say(f"warning: the script exited {obs.agent_exit} after the run completed at step {step} (its "
+                       "final snapshot is kept; not restarted): see its log under logs/")
+        return True
 
     def _crash_facts(self, watch: AttemptWatch, obs: Observation) -> dict[str, Any]:
         failures, agent_error = self.world.failures()

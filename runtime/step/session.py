@@ -69,6 +69,8 @@ def _code_version() -> str:
 class Run(LoopShapes, StepEnd):
     """State, counters and policy of one training process. Create it with :func:`init`."""
 
+    owns_group = True  # init() created the default process group (False: the script did; finish() leaves it)
+
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
         self.env = env
         self.precision = precision
@@ -529,4 +531,5 @@ class Run(LoopShapes, StepEnd):
         self.heart.beat(self.step, "done")
         if collectives.active():
             dist.barrier()
-            dist.destroy_process_group()
+            if self.owns_group:
+                dist.destroy_process_group()
