@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ckptrun.runtime import collectives, records
 
-from ckptrun.runtime.step import hparams, reshard, rng, stepper
+from ckptrun.runtime.step import hparams, per_rank, reshard, rng, stepper
 
 from ckptrun.runtime.checkpoint import snapshot, tiering, train_state
 
@@ -70,6 +70,8 @@ class Run(LoopShapes, StepEnd):
     """State, counters and policy of one training process. Create it with :func:`init`."""
 
     owns_group = True  # init() created the default process group (False: the script did; finish() leaves it)
+    per_rank_names: frozenset[str] = frozenset()  # tracked with per_rank=True: stored in each rank's own files
+    checked_replicas = False  # the first save compares the shared objects' tensors across ranks (per_rank)
 
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
         self.env = env
@@ -117,8 +119,11 @@ class Run(LoopShapes, StepEnd):
 
     # --- registration and restore ------------------------------------------
 
-    def track(self, **objects: Any) -> None:
-        """Register everything that must survive a restart (each needs state_dict/load_state_dict)."""
+    def track(self, per_rank: bool = False, **objects: Any) -> None:
+        """Register everything that must survive a restart (each needs state_dict/load_state_dict).
+        ``per_rank=True``: each rank stores and restores its own copy (:mod:`ckptrun.runtime.step.per_rank`)."""
+        if per_rank:
+            self.per_rank_names = self.per_rank_names | {name for name, obj in objects.items() if obj is not None}
         if self.scaler is not None and "scaler" not in objects and "scaler" not in self.objects:
             objects = {**objects, "scaler": self.scaler}
         for name, obj in objects.items():
@@ -260,10 +265,13 @@ class Run(LoopShapes, StepEnd):
 
     def _apply(self, loaded: snapshot.Loaded) -> None:
         tree = loaded.shared_tree
-        for name in self.objects:
+        for name in self._shared_objects():
             if name not in tree["objects"]:
                 self._refuse(f"snapshot has no state for {name!r} (tracked now, not when it was saved)")
-        train_state.apply(self.objects, tree["objects"], loaded.shared_tensors)
+        train_state.apply(self._shared_objects(), tree["objects"], loaded.shared_tensors)
+        if loaded.rank_tree and (missing := per_rank.restore({n: self.objects[n] for n in self.per_rank_names},
+                                                              loaded.rank_tree, loaded.rank_tensors)):
+            self._refuse(f"snapshot has no per-rank state for {', '.join(map(repr, missing))} (tracked now, not when it was saved)")
         self.step = tree["counters"]["step"]
         self.epoch = tree["counters"].get("epoch", 0)
         self.rollbacks = tree["counters"].get("rollbacks", 0)
@@ -472,12 +480,21 @@ class Run(LoopShapes, StepEnd):
         if change is not None:
             records.log_event(self.run_dir, "cadence", step=self.step, attempt=self.env.attempt, **change)
 
+    def _shared_objects(self) -> dict[str, Any]:
+        return {name: obj for name, obj in self.objects.items() if name not in self.per_rank_names}
+
     def _collect(self) -> snapshot.State:
-        trees, tensors, aliases = train_state.collect(self.objects)
+        if not self.checked_replicas:
+            self.checked_replicas = True
+            if differ := per_rank.divergent(self._shared_objects()):
+                self._refuse(per_rank.refusal(differ))
+        trees, tensors, aliases = train_state.collect(self._shared_objects())
         rng_tree, rng_tensors = rng.capture()
+        own_trees, own_tensors = per_rank.capture({n: self.objects[n] for n in self.per_rank_names})
         counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
         shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases}
-        return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors)
+        return snapshot.State(shared_tree, tensors, {"rng": rng_tree, per_rank.PREFIX: own_trees},
+                              {**rng_tensors, **own_tensors})
 
     def _info(self) -> snapshot.SnapshotInfo:
         loader = self.objects.get("loader")
