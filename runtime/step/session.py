@@ -501,7 +501,7 @@ class Run(LoopShapes, StepEnd):
         return snapshot.SnapshotInfo(
             run_id=self.env.run_id, lineage=self.lineage, parent=self.parent, step=self.step,
             epoch=getattr(loader, "epoch", self.epoch), samples_seen=getattr(loader, "samples_seen", 0),
-            precision=self.precision.mode, config=self.config, code_version=self.code_version,
+            precision=self.precision.applied_mode, config=self.config, code_version=self.code_version,
             world_size_history=self.world_history,
         )
 
