@@ -263,15 +263,18 @@ class Supervisor:
 
     def _stalled(self, watch: AttemptWatch, obs: Observation, stale: list[int]) -> None:
         watch.state, watch.detected_at = State.STALLED, obs.time
-        self.world.say(f"ranks {', '.join(map(str, stale))} made no progress: dumping their stacks, then restarting")
-        stacks = self.world.dump_stacks(stale)
-        suspect = pick_suspect(stale, watch.beats, stacks)
+        everyone = sorted(r for r, view in obs.ranks.items() if view.alive) or stale
+        self.world.say(f"ranks {', '.join(map(str, stale))} made no progress: dumping the stacks of every rank "
+                       f"({', '.join(map(str, everyone))}), then restarting")
+        stacks = self.world.dump_stacks(everyone)  # the hung rank may still look alive; its peers wait for it
+        suspect = pick_suspect(everyone, watch.beats, stacks)
         beat = watch.beats.get(suspect)
         steps = [s for s in (beat.step if beat else None, watch.last_step) if s is not None]
         watch.failure = {"cause": "hang", "rank": suspect, "suspect": suspect, "stale_ranks": stale,
                          "step": max(steps, default=None), "phase": beat.phase if beat else "start",
                          "last_sign_of_life": beat.time if beat else watch.launched, "plain_script": self.plain,
-                         "waiting_on_peers": {str(r): waiting_on_peers(stacks.get(r, "")) for r in stale}}
+                         "stacks_dumped": everyone,
+                         "waiting_on_peers": {str(r): waiting_on_peers(stacks.get(r, "")) for r in everyone}}
         self.world.teardown(failed=True)
         watch.teardown_s = self.world.now() - obs.time
         self._report_failure(watch)

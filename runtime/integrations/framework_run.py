@@ -71,7 +71,8 @@ class FrameworkRun:
         """Global ``step`` is done: beat, then fire the step faults of C1 (``kill``/``hang``/``exit`` at it)."""
         if self.faults is None:
             return
-        self.beat(step, force=self.faults.step_fault_due(step))
+        if self.heart is not None:  # an injected hang keeps the last beat's time: the hung rank must not look alive
+            self.heart.beat(step, "train", force=self.faults.step_fault_due(step), stale=self.faults.hang_due(step))
         self.faults.after_step(step)
 
     def log_step(self, step: int, **values: Any) -> None:

@@ -83,7 +83,9 @@ class StepHook:
             return
         self.counts[id(optimizer)] = global_step(optimizer)
         self.step = max(self.counts.values())
-        if self.heart.beat(self.step, "train", force=self.faults.step_fault_due(self.step)):
+        due = self.faults.step_fault_due(self.step)
+        hangs = due and self.faults.hang_due(self.step)  # its step, at its last beat's time: not alive
+        if self.heart.beat(self.step, "train", force=due, stale=hangs):
             self._log_step()  # forced before a fault: the records show the step it hit
         self.faults.after_step(self.step)
 
