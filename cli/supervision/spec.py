@@ -165,6 +165,8 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     @field_validator("inject_fault")
     @classmethod
     def _fault(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            return None  # `resume --inject-fault none`: no fault
         try:
             parse_faults(value)
         except FaultSpecError as exc:
