@@ -4,8 +4,8 @@ ckptrun picks no snapshot for them, so what a restart cost and whether it resume
 the new attempt reports at its first step: a framework integration's ``framework_started`` event names the
 global step it resumed at; a plain script's first step record carries the optimizer's own step count
 (:mod:`ckptrun.runtime.worker.step_hook`), so step 1 after an attempt that reached step N means it started
-over — said as a ``started_over`` event and a warning that names the fix. Pure functions over plain data;
-the supervisor calls them. Importable without torch.
+over — said as a ``started_over`` event and a warning that names the fix. Small functions over plain data;
+the supervisor calls them with its :class:`World`. Importable without torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_STOPPED
-from ckptrun.cli.supervision.observation import Outcome
+from ckptrun.cli.supervision.observation import Outcome, World
 
 STARTED_OVER_HINT = ("the script did not resume from its own checkpoint: pass the flag it needs to resume with "
                      "`ckptrun launch --restart-args \"--resume\"` (added on every restart and on resume; "
@@ -52,8 +52,47 @@ def describe_resume(attempt: int, resumed: int | None) -> str:
     return f"attempt {attempt}: the script resumed from its own checkpoint at step {resumed}"
 
 
-def framework_stopped(stopped: list[dict[str, Any]], forced: bool, attempts: int, restarts: int) -> Outcome:
-    """A framework script's stop: resumable when it saved its checkpoint at the agreed step."""
+def framework_notice(world: World) -> None:
+    """Said once: the framework keeps its own checkpoints, published and resumed through ckptrun.integrations."""
+    world.event("framework_script")
+    world.say("note: this script uses a ckptrun framework integration: a restart resumes from its newest verified "
+              "checkpoint (resume_path), `ckptrun stop` saves one; bitwise resume needs the runtime")
+
+
+def after_resume(world: World, attempt: int, pending: dict[str, Any], first_step: int | None, plain: bool) -> None:
+    """No snapshot was chosen: count the lost steps from where the script resumed, and say so — or say that
+    it started over (``started_over``), with the fix."""
+    resumed = resumed_step(world.attempt_events("framework_started"), plain, first_step)
+    started_over = account(pending, resumed)
+    if started_over is None:
+        world.say(describe_resume(attempt, resumed))
+        return
+    world.event("started_over", **started_over)
+    world.say(f"warning: attempt {attempt} started over at step 1 (attempt {attempt - 1} reached step "
+              f"{started_over['previous_step']}): {STARTED_OVER_HINT}")
+
+
+def crashed_after_completion(world: World, attempt: int, exit_code: int | None) -> bool:
+    """The ranks logged ``completed`` (the final snapshot is published), then exited non-zero: the run is done,
+    never restarted (a restart would train past its end and let retention delete the final snapshot)."""
+    completed = world.attempt_events("completed")
+    if not completed:
+        return False
+    step = completed[-1].get("step")
+    world.event("crashed_after_completion", attempt=attempt, exit_code=exit_code, step=step)
+    world.say(f"warning: the script exited {exit_code} after the run completed at step {step} (its final "
+              "snapshot is kept; not restarted): see its log under logs/")
+    return True
+
+
+def framework_stopped(world: World, attempt: int, forced: bool, last_step: int | None, attempts: int,
+                      restarts: int) -> Outcome:
+    """A framework script's stop: resumable when it saved its checkpoint at the agreed step (its ``stopped``
+    event names it)."""
+    stopped = world.attempt_events("stopped")
+    world.event("run_stopped", attempt=attempt, forced=forced, framework=True,
+                step=stopped[-1].get("step") if stopped else last_step,
+                checkpoint=stopped[-1].get("checkpoint") if stopped else None)
     saved = stopped[-1] if stopped and stopped[-1].get("checkpoint") else None
     if saved is None or forced:
         return Outcome(EXIT_NO, "stopped, but the script saved no checkpoint at the stop",

@@ -173,14 +173,9 @@ class Supervisor:
         return self.plain_seen and not self.runtime_seen and not self.framework_seen
 
     def _framework_notice(self) -> None:
-        """Said once: the script's framework keeps its own checkpoints, published and resumed through
-        ``ckptrun.integrations`` (its ``resume_path``), and saves on a stop."""
-        if self.framework_seen:
-            return
-        self.framework_seen = True
-        self.world.event("framework_script")
-        self.world.say("note: this script uses a ckptrun framework integration: a restart resumes from its newest "
-                       "verified checkpoint (resume_path), `ckptrun stop` saves one; bitwise resume needs the runtime")
+        if not self.framework_seen:
+            self.framework_seen = True
+            own_checkpoints.framework_notice(self.world)
 
     def _plain_script_notice(self) -> None:
         """Said once, when it is known: a step-hook heartbeat, or a failure record of a script without the runtime."""
@@ -189,9 +184,9 @@ class Supervisor:
         self.plain_seen = True
         self.world.event("plain_script")
         self.world.say("note: this script does not use ckptrun.runtime: its optimizer steps are watched (hangs, "
-                       "status, faults) and a failure restarts it (its optimizer's step count shows whether it resumed from its own "
-                       "files); verified "
-                       "snapshots, exact resume and saving on `ckptrun stop` need the runtime.")
+                       "status, faults) and a failure restarts it (its optimizer's step count shows whether it "
+                       "resumed from its own files); verified snapshots, exact resume and saving on `ckptrun stop` "
+                       "need the runtime.")
         if self.runtime_only_faults:
             self.world.say(f"warning: --inject-fault {', '.join(self.runtime_only_faults)} can never fire: "
                            "it needs ckptrun.runtime")
@@ -236,16 +231,7 @@ class Supervisor:
             self._report_failure(watch)
 
     def _crashed_after_completion(self, watch: AttemptWatch, obs: Observation) -> bool:
-        """The ranks logged ``completed`` (the final snapshot is published), then exited non-zero: the run is
-        done, never restarted (a restart would train past its end and let retention delete the final snapshot)."""
-        completed = self.world.attempt_events("completed")
-        if not completed:
-            return False
-        step = completed[-1].get("step")
-        self.world.event("crashed_after_completion", attempt=watch.attempt, exit_code=obs.agent_exit, step=step)
-        self.world.say(f"warning: the script exited {obs.agent_exit} after the run completed at step {step} (its "
-                       "final snapshot is kept; not restarted): see its log under logs/")
-        return True
+        return own_checkpoints.crashed_after_completion(self.world, watch.attempt, obs.agent_exit)
 
     def _crash_facts(self, watch: AttemptWatch, obs: Observation) -> dict[str, Any]:
         failures, agent_error = self.world.failures()
@@ -369,21 +355,8 @@ class Supervisor:
             return
         self.pending_restart = None
         if self.plain or self.framework_seen:
-            self._resumed_from_own_files(watch, pending)
+            own_checkpoints.after_resume(self.world, watch.attempt, pending, watch.first_step, self.plain)
         self.recovery.log_restart(self.world, pending)
-
-    def _resumed_from_own_files(self, watch: AttemptWatch, pending: dict[str, Any]) -> None:
-        """No snapshot was chosen: the lost steps count from where the script resumed, and a script that
-        started over is said to have (``started_over``), with the fix."""
-        resumed = own_checkpoints.resumed_step(self.world.attempt_events("framework_started"), self.plain,
-                                               watch.first_step)
-        started_over = own_checkpoints.account(pending, resumed)
-        if started_over is None:
-            self.world.say(own_checkpoints.describe_resume(watch.attempt, resumed))
-            return
-        self.world.event("started_over", **started_over)
-        self.world.say(f"warning: attempt {watch.attempt} started over at step 1 (attempt {watch.attempt - 1} "
-                       f"reached step {started_over['previous_step']}): {own_checkpoints.STARTED_OVER_HINT}")
 
     # --- outcomes -----------------------------------------------------------------
 
@@ -434,13 +407,8 @@ class Supervisor:
                        "continue with `ckptrun resume --latest` (it resumes from its own files)", attempts, self.restarts)
 
     def _framework_stopped(self, watch: AttemptWatch) -> Outcome:
-        """A framework script saved its own checkpoint at the agreed stop (its ``stopped`` event names it)."""
-        stopped = self.world.attempt_events("stopped")
-        self.world.event("run_stopped", attempt=watch.attempt, forced=watch.forced, framework=True,
-                         step=stopped[-1].get("step") if stopped else watch.last_step,
-                         checkpoint=stopped[-1].get("checkpoint") if stopped else None)
-        return own_checkpoints.framework_stopped(stopped, watch.forced, watch.attempt - self.first_attempt + 1,
-                                                 self.restarts)
+        return own_checkpoints.framework_stopped(self.world, watch.attempt, watch.forced, watch.last_step,
+                                                 watch.attempt - self.first_attempt + 1, self.restarts)
 
     def _aborted(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
         """A recovery check ended the run: an RTO over a strict budget, a diverged resume."""
