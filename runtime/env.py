@@ -67,6 +67,7 @@ class RunEnv(BaseModel):
     local_cache: bool = Field(False, description="With ckpt_url: ckpt_dir is a restore tier kept by its own retention; else staging, emptied after each upload.")
     storage_options: str | None = Field(None, description="fsspec options for ckpt_url, a JSON object (--storage-option); credentials come from the environment.")
     attempt: int = Field(1, ge=1, description="1 for the first attempt, +1 per restart.")
+    restart: bool = Field(False, description="True on every attempt after the first (a restart, or a resume): a script that keeps its own checkpoints continues from them (see CKPTRUN_ATTEMPT).")
     supervised: bool = Field(False, description="True under `ckptrun launch`: the supervisor picks and verifies the snapshot.")
     supervisor_pid: int | None = Field(None, description="Workers exit when this process is gone.")
     supervisor_start_time: float | None = Field(None, description="psutil create_time of the supervisor, guards against pid reuse.")

@@ -159,6 +159,47 @@ class Manifest(BaseModel):
         return json.dumps(document, indent=1, sort_keys=True)
 
 
+FRAMEWORK_SCHEMA_VERSION = 1
+SIDECAR_SUFFIX = ".ckptrun.json"  # a framework's checkpoint file X gets X.ckptrun.json beside it
+DIRECTORY_MANIFEST = "ckptrun-manifest.json"  # a framework's checkpoint directory gets one inside it
+
+
+class FrameworkManifest(BaseModel):
+    """A framework's own checkpoint (a Lightning ``.ckpt`` file, a Hugging Face ``checkpoint-N`` directory),
+    published by ckptrun: written last, so its presence means every file it lists was fsynced first.
+    File paths are relative to the checkpoint directory (for a single file: its parent)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = Field(FRAMEWORK_SCHEMA_VERSION, description="Bumped on incompatible changes.")
+    framework: str = Field(description="Who wrote the checkpoint: lightning, transformers.")
+    run_id: str
+    step: int = Field(ge=0, description="The framework's global step (optimizer steps across attempts).")
+    created: float = Field(default_factory=time.time)
+    files: list[FileEntry]
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_schema(cls, value: int) -> int:
+        if value != FRAMEWORK_SCHEMA_VERSION:
+            raise ValueError(f"schema version {value} is not {FRAMEWORK_SCHEMA_VERSION}; use the ckptrun that wrote it")
+        return value
+
+
+def read_framework_manifest(path: Path) -> FrameworkManifest:
+    """Parse a framework checkpoint's manifest (a sidecar or a directory's) or raise :class:`ManifestError`."""
+    try:
+        return FrameworkManifest.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: missing") from None
+    except OSError as exc:
+        raise ManifestError(f"{path}: unreadable ({exc.strerror})") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "document"
+        raise ManifestError(f"{path}: invalid at {where}: {first['msg']}") from None
+
+
 def _named_rank(path: str) -> int | None:
     """The rank a file's name says wrote it: DCP's ``__R_N.distcp`` and our ``rank-R.*``; None for shared files."""
     name = PurePosixPath(path).name

@@ -29,7 +29,8 @@ LOGS = "logs"
 FATAL = "fatal.json"
 
 Phase = Literal["init", "restore", "train", "save", "done", "stopping"]
-Source = Literal["runtime", "step-hook"]  # who beat: the runtime, or the bootstrap's optimizer-step hook (a plain script)
+Source = Literal["runtime", "step-hook", "framework"]  # who beat: the runtime, the bootstrap's optimizer-step hook
+#   (a plain script), or a framework integration (ckptrun.integrations: Lightning, HF Trainer; its global step)
 
 
 def _default(value: Any) -> Any:

@@ -46,6 +46,26 @@ def test_the_first_failure_of_an_attempt_wins(stores: tuple[JobStore, JobStore, 
     assert two.report_failure(2, node=2, ranks=[2], cause="hang")["node"] == 2  # each attempt has its own
 
 
+def test_a_peers_connection_error_yields_to_the_node_where_the_rank_died(stores: tuple[JobStore, JobStore, JobStore]) -> None:
+    """Node 0 sees only gloo's "Connection closed by peer" first; node 1, where the rank was SIGKILLed, reports
+    later: its failure is the root cause, on both nodes."""
+    import threading
+
+    _, one, two = stores
+    from ckptrun.cli.supervision.node_world import peer_error
+
+    collateral = {"cause": "crash", "exception": "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"}
+    assert peer_error(collateral) and not peer_error({"cause": "crash", "signal": "SIGKILL"})
+    seen: dict[str, dict] = {}
+    waiting = threading.Thread(target=lambda: seen.update(node0=one.report_failure(
+        7, node=0, ranks=[0], cause="crash", yield_s=10.0, exception=collateral["exception"])))
+    waiting.start()
+    time.sleep(0.5)
+    seen["node1"] = two.report_failure(7, node=1, ranks=[1], cause="crash", signal="SIGKILL")
+    waiting.join(timeout=20)
+    assert seen["node0"]["node"] == seen["node1"]["node"] == 1 and seen["node0"]["signal"] == "SIGKILL"
+
+
 def test_teardown_acks_snapshot_attempt_and_verify(stores: tuple[JobStore, JobStore, JobStore]) -> None:
     leader, one, two = stores
     one.ack_teardown(1, 1)

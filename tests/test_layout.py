@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"ckptrun.cli": ROOT / "cli", "ckptrun.runtime": ROOT / "runtime"}
+PACKAGES = {"ckptrun.cli": ROOT / "cli", "ckptrun.runtime": ROOT / "runtime",
+            "ckptrun.integrations": ROOT / "runtime" / "integrations"}  # installed as its own package (pyproject)
+INTEGRATIONS = "ckptrun.integrations"
 MAX_LINES = 400  # a module of more lines is two concepts
 MAX_TOP_LEVEL_RUNTIME = 12  # besides __init__.py: the torch-free contracts and the primitives every room uses
 ALLOWED_CYCLES: list[set[str]] = []  # none; a circle needs a reason written here, never a silent entry
@@ -29,6 +31,8 @@ def modules() -> dict[str, Path]:
     found = {}
     for package, folder in PACKAGES.items():
         for path in sorted(folder.rglob("*.py")):
+            if package != INTEGRATIONS and PACKAGES[INTEGRATIONS] in path.parents:
+                continue  # ckptrun.integrations, never ckptrun.runtime.integrations
             parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -148,7 +152,8 @@ def test_files_stay_small() -> None:
 def test_the_runtime_top_level_keeps_only_the_contracts_and_shared_primitives() -> None:
     top = sorted(p.name for p in (ROOT / "runtime").glob("*.py") if p.name != "__init__.py")
     assert len(top) <= MAX_TOP_LEVEL_RUNTIME, top
-    rooms = sorted(p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists())
+    rooms = sorted(p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()
+                   and p != PACKAGES[INTEGRATIONS])
     assert rooms == sorted(RUNTIME_ROOMS), rooms
 
 
@@ -188,3 +193,13 @@ def test_the_commands_table_points_at_command_modules() -> None:
 
     modules_named = {command.module for command in Commands.table.values()}
     assert modules_named and all(m.startswith(COMMANDS + ".") and m in GRAPH for m in modules_named), modules_named
+
+
+def test_the_integrations_use_the_runtime_and_nothing_uses_them() -> None:
+    """ckptrun.integrations (Lightning, HF Trainer) may import the runtime's contracts and rooms, never the
+    CLI; nothing in ckptrun imports them (they are optional extras)."""
+    assert any(a.startswith(INTEGRATIONS) for a in GRAPH)
+    assert not edges_into(INTEGRATIONS, "ckptrun.cli")
+    assert not [e for e in edges_into(("ckptrun.cli", "ckptrun.runtime"), INTEGRATIONS)]
+    wrong = [f"{a} → {b}" for a, targets in GRAPH.items() for b in targets if b.startswith("ckptrun.runtime.integrations")]
+    assert not wrong, wrong

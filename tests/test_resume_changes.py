@@ -38,9 +38,11 @@ def test_resume_with_a_new_lr_follows_the_new_schedule(tmp_path):
     refused = ckptrun("resume", "--latest", "--run-dir", str(run_dir), "--", *new_args, cwd=tmp_path, timeout=240)
     assert refused.returncode == 4, refused.stderr[-3000:]
     assert "allow it with --allow-change lr" in refused.stderr
-    resumed = ckptrun("resume", "--latest", "--run-dir", str(run_dir), "--allow-change", "lr", "--", *new_args,
-                      cwd=tmp_path, timeout=240)
+    resumed = ckptrun("resume", "--latest", "--run-dir", str(run_dir), "--allow-change", "lr", "--inject-fault", "none",
+                      "--", "--lr", str(NEW_LR), cwd=tmp_path, timeout=240)  # the other stored arguments are kept
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"ckptrun: resuming the default job --steps {STEPS} --num-workers 0 --lr {NEW_LR}" in resumed.stderr
+    assert json.loads((run_dir / "run.json").read_text())["spec"]["inject_fault"] is None
 
     assert json.loads((run_dir / "run.json").read_text())["spec"]["script_args"] == new_args
     assert read_events(run_dir, "resume")[-1]["script_args"] == new_args

@@ -25,6 +25,7 @@ from ckptrun.cli.supervision.rundir import RunPaths, alive, holder, node_holders
 from ckptrun.cli.supervision.runner import resume_run, start_run
 from ckptrun.cli.supervision.node_env import node_fields, node_settings, resume_settings
 from ckptrun.cli.supervision.memory_tier import refuse_unsupported
+from ckptrun.cli.supervision import script_args
 from ckptrun.cli.supervision.spec import RENAMED, LaunchSpec, build_spec, read_run_record
 from ckptrun.runtime import records
 
@@ -95,6 +96,7 @@ def launch(
     max_rollbacks: Optional[int] = _opt("--max-rollbacks", "Rollbacks before an anomaly stops the run. [default: 3]", POLICY),
     inject_fault: Optional[str] = _opt("--inject-fault", "Fault spec for tests and demos, e.g. kill:rank=1:step=17 (see README).", POLICY),
     max_restarts: Optional[int] = _opt("--max-restarts", "Restarts before giving up (exit 1). [default: 3]", SUPERVISION),
+    restart_args: Optional[str] = _opt("--restart-args", "Arguments appended to the script's on every restart and on resume, e.g. \"--resume\" (CKPTRUN_RESTART=1 is set then too).", SUPERVISION, metavar='"ARGS"'),
     heartbeat_timeout: Optional[str] = _opt("--heartbeat-timeout", "A training rank silent this long is hung. [default: 300s]", SUPERVISION),
     startup_timeout: Optional[str] = _opt("--startup-timeout", "Allowance for start-up and restore. [default: 600s]", SUPERVISION),
     save_timeout: Optional[str] = _opt("--save-timeout", "Allowance for one snapshot save. [default: 900s]", SUPERVISION),
@@ -162,11 +164,14 @@ def resume(
     allow_reshard: bool = typer.Option(False, "--allow-reshard", help="Resume a snapshot written at another world size: tensors and the data position reshard, per-rank RNG is reseeded (judged within tolerance, never exact)."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="Many nodes: this node's rank (or PET_NODE_RANK, SLURM_NODEID); run resume on every node.", show_default=False),
     storage_option: Optional[list[str]] = typer.Option(None, "--storage-option", metavar="KEY=VALUE", help="fsspec option of the run's object store, over the stored ones (repeatable); credentials are never stored, so pass them again.", show_default=False),
+    replace_args: bool = typer.Option(False, "--replace-args", help="The arguments after -- replace all the stored ones (default: each overrides the stored option of its name)."),
+    inject_fault: Optional[str] = typer.Option(None, "--inject-fault", help="Fault spec of this resume, over the stored one; none drops it.", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> int:
     """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec.
 
-    Arguments after -- replace the script's stored ones (a config key that changes must be allowed).
+    Arguments after -- override the stored options of the same name and keep the rest (--replace-args:
+    replace them all); a config key that changes must be allowed. The effective command line is printed.
     """
     positional, script_args = positional_run_dir(list(ctx.args), sys.argv)
     if latest and source:
@@ -183,6 +188,10 @@ def resume(
         build_spec({"max_restarts": max_restarts})
     run_dir = chosen_run(positional, run_dir)
     spec = read_run_record(run_dir).spec
+    if ctx.args and not replace_args:
+        overrides["script_args"] = script_args.merge(spec.script_args, list(ctx.args))
+    if inject_fault is not None:  # `none`: the stored fault (a demo's kill) is not fired again
+        overrides["inject_fault"] = "" if inject_fault.strip().lower() == "none" else build_spec({"inject_fault": inject_fault}).inject_fault
     if storage_option:
         overrides["store_options"] = resume_options(spec, storage_option)
     if spec.nnodes.split(":")[-1] != "1":  # a many-node run: resume runs on every node, node rank 0 leads
@@ -248,6 +257,10 @@ def _wait_for_exit(pid: int, start_time: float, paths: RunPaths, timeout: float,
     if last.get("plain_script"):
         how = "did not exit cleanly on SIGTERM" if last.get("forced") else "exited cleanly on SIGTERM"
         print(f"ckptrun: stopped; the script {how}", file=sys.stderr)
+        return EXIT_OK
+    if last.get("framework"):
+        print(f"ckptrun: stopped; the script saved its checkpoint at step {last.get('step')}: {last.get('checkpoint')}",
+              file=sys.stderr)
         return EXIT_OK
     print(f"ckptrun: stopped; newest verified snapshot: step {last.get('snapshot_step')}", file=sys.stderr)
     return EXIT_OK

@@ -46,6 +46,7 @@ from ckptrun.runtime.storage.store import (
     quarantine_reason,
     read_lineage,
 )
+from ckptrun.runtime.checkpoint import framework_files
 from ckptrun.runtime.checkpoint.verify import (
     CORRUPT,
     IN_PROGRESS,
@@ -81,6 +82,8 @@ def verify(
             sys.stderr.write(f"verifying {remote.where} (run {where}'s snapshots live in the store)\n")
         return _verify_store(remote, as_json, quick, threads)
     path = where
+    if framework_files.find(path) and not _is_ckpt_dir(path):
+        return _verify_framework(path, as_json, quick)
     ckpt_dir, entries = _target(path)
     lineage, lineage_problems = _lineage(ckpt_dir)
     total = sum(_listed_bytes(e) for e in entries) if ckpt_dir is None else bytes_to_verify(ckpt_dir)
@@ -112,6 +115,22 @@ def _verify_store(remote: FsspecStore, as_json: bool, quick: bool, threads: int 
         _print_json(remote.where, ok, quick, reports, [])
     else:
         _print_table(reports, quick, [])
+    return EXIT_OK if ok else EXIT_NO
+
+
+def _verify_framework(path: Path, as_json: bool, quick: bool) -> int:
+    """A Lightning / HF Trainer checkpoint directory published by ``ckptrun.integrations``."""
+    verdicts = framework_files.report(path, sizes_only=quick)
+    ok = not any(v["status"] in ("corrupt", "incomplete") for v in verdicts)
+    if as_json:
+        print(json.dumps({"path": str(path), "ok": ok, "quick": quick, "framework_checkpoints": verdicts}, indent=1))
+        return EXIT_OK if ok else EXIT_NO
+    for v in verdicts:
+        problem = "; ".join(map(str, v["problems"]))  # type: ignore[arg-type]
+        print(f"{v['step'] if v['step'] is not None else '-':>8}  {Path(str(v['path'])).name}  {v['framework'] or '-'}  "
+              f"{v['files']} file(s)  {human_bytes(int(v['bytes']))}  {v['status']}  {problem}".rstrip())  # type: ignore[arg-type]
+    good = sum(v["status"] == "ok" for v in verdicts)
+    print(f"{good} of {len(verdicts)} framework checkpoint(s) verified{' (sizes only)' if quick else ''}")
     return EXIT_OK if ok else EXIT_NO
 
 

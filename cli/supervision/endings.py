@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_STOPPED
+from ckptrun.cli.supervision import own_checkpoints
 from ckptrun.cli.supervision.failures import describe_failure
 from ckptrun.cli.supervision.observation import AttemptWatch, Outcome, World
 from ckptrun.cli.supervision.policy import GiveUp
@@ -29,11 +30,12 @@ class Endings:
     restarts: int
     runtime_seen: bool  # a runtime heartbeat, or a failure record saying the script imports the runtime
     plain_seen: bool  # a step-hook heartbeat: the script does not use the runtime
+    framework_seen: bool  # a heartbeat of ckptrun.integrations: Lightning / HF Trainer, its own checkpoints
 
     @property
     def plain(self) -> bool:
         """The script does not use ckptrun.runtime: its steps are seen only through torch's optimizer hook."""
-        return self.plain_seen and not self.runtime_seen
+        return self.plain_seen and not self.runtime_seen and not self.framework_seen
 
     def _done(self, watch: AttemptWatch) -> Outcome:
         self.world.event("run_completed", attempt=watch.attempt, restarts=self.restarts, step=watch.last_step)
@@ -44,6 +46,8 @@ class Endings:
     def _stopped(self, watch: AttemptWatch) -> Outcome:
         if self.plain:
             return self._plain_stopped(watch)
+        if self.framework_seen:
+            return self._framework_stopped(watch)
         stopped = self.world.attempt_events("stopped")
         try:
             step = self.world.newest_step()  # from a store's listing: a stop does not download the snapshot
@@ -78,6 +82,10 @@ class Endings:
                            "`ckptrun resume --latest` relaunches it from its own files", attempts, self.restarts)
         return Outcome(EXIT_STOPPED, "stopped: the script exited cleanly on SIGTERM",
                        "continue with `ckptrun resume --latest` (it resumes from its own files)", attempts, self.restarts)
+
+    def _framework_stopped(self, watch: AttemptWatch) -> Outcome:
+        return own_checkpoints.framework_stopped(self.world, watch.attempt, watch.forced, watch.last_step,
+                                                 watch.attempt - self.first_attempt + 1, self.restarts)
 
     def _aborted(self, watch: AttemptWatch, verdict: GiveUp) -> Outcome:
         """A recovery check ended the run: an RTO over a strict budget, a diverged resume."""

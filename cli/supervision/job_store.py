@@ -142,10 +142,19 @@ class JobStore:
     def attempt(self) -> dict[str, Any] | None:
         return self.read(self.key("attempt"))
 
-    def report_failure(self, attempt: int, node: int, ranks: list[int], cause: str, **facts: Any) -> dict[str, Any]:
-        """Record this failure of ``attempt`` unless another node's came first; returns the first one."""
+    def report_failure(self, attempt: int, node: int, ranks: list[int], cause: str, yield_s: float = 0.0,
+                       **facts: Any) -> dict[str, Any]:
+        """Record this failure of ``attempt`` unless another node's came first; returns the first one.
+        ``yield_s``: this node saw only a peer's connection error (collateral of a failure elsewhere), so it
+        first waits that long for the node where the rank really died to report (its signal or exception)."""
+        key = self.key(f"a{attempt}", "failure")
         mine = {"attempt": attempt, "node": node, "ranks": ranks, "cause": cause, "time": time.time(), **facts}
-        return self.first(self.key(f"a{attempt}", "failure"), mine)
+        deadline = time.monotonic() + yield_s
+        while time.monotonic() < deadline:
+            if (other := self.read(key)) is not None:
+                return other
+            time.sleep(0.1)
+        return self.first(key, mine)
 
     def failure(self, attempt: int) -> dict[str, Any] | None:
         return self.read(self.key(f"a{attempt}", "failure"))

@@ -209,10 +209,22 @@ class NodeWorld(LocalWorld):
         ranks = fields.get("stale_ranks") or ([fields["rank"]] if fields.get("rank") is not None else [])
         try:
             return self.job.report_failure(self.attempt, self.node, ranks, str(fields.get("cause")),
+                                           yield_s=PEER_ERROR_WAIT_S if peer_error(fields) else 0.0,
                                            rank=fields.get("rank"), step=fields.get("step"),
                                            detected_at=fields.get("detected_at"), detect_s=fields.get("detect_s"))
         except StoreUnreachable:
             return None
+
+
+PEER_ERROR_WAIT_S = 5.0  # how long a node that saw only a peer's connection error waits for the real root cause
+PEER_ERRORS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+
+
+def peer_error(failure: dict[str, Any]) -> bool:
+    """A crash whose only fact is a collective's connection error: collateral of a rank that died elsewhere
+    (no signal of its own). Such a node yields to one that saw a signal or another exception."""
+    text = str(failure.get("exception") or "").lower()
+    return failure.get("cause") == "crash" and not failure.get("signal") and any(p in text for p in PEER_ERRORS)
 
 
 def wait_for(condition: Any, timeout: float, poll: float = 0.2, what: str = "") -> Any:

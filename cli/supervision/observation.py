@@ -129,6 +129,7 @@ class AttemptWatch:
     gone_at: float | None = None  # first poll that saw a rank process gone
     beats: dict[int, Heartbeat] = field(default_factory=dict)
     first_step_time: float | None = None
+    first_step: int | None = None  # the attempt's first step record (a plain script's: the optimizer's own count)
     last_step: int | None = None
     last_step_time: float | None = None
     kill_deadline: float | None = None

@@ -31,6 +31,7 @@ from ckptrun.cli.supervision.observation import Outcome, Snapshot, StopControl
 from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
 from ckptrun.cli.supervision.recovery import RecoveryOptions
 from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, holder, unique_run_dir
+from ckptrun.cli.supervision import script_args
 from ckptrun.cli.supervision.spec import RUN_JSON, LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.supervision.supervisor import Supervisor
 from ckptrun.cli.supervision.world import Estimator, LocalWorld
@@ -145,8 +146,12 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
             return _report(outcome, record, paths, Progress(), as_json)
         given = {key: value for key, value in overrides.items() if value is not None}
         record.spec = build_spec({**record.spec.model_dump(), **given})  # a bad combination: one line, exit 2
+        print(f"ckptrun: resuming {script_args.command_line(str(record.spec.script) if record.spec.script else None, record.spec.script_args)}"
+              + (f" (on restarts: + {' '.join(record.spec.restart_args)})" if record.spec.restart_args else ""),
+              file=sys.stderr)
         ckpt_dir = ckpt_dir_of(record.spec, run_dir)
-        plain = bool(records.read_events(run_dir, "plain_script"))  # it resumes from its own files
+        plain = bool(records.read_events(run_dir, "plain_script")  # it resumes from its own files
+                     or records.read_events(run_dir, "framework_script"))
         if source and record.spec.store_url:
             raise CkptrunError("resume --from is not supported on an object store yet", "use --latest")
         snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir, record.spec, run_dir, record.run_id)

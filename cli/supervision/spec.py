@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import shlex
 import signal
 import time
 import tomllib
@@ -50,7 +51,7 @@ def parse_duration(value: Any) -> Any:
 # launch option (a ``--config`` key, and a flag where ``launch`` declares one): declared once, in RunEnv.
 NOT_OPTIONS = frozenset({
     "run_id", "run_dir", "ckpt_dir", "attempt", "supervised", "supervisor_pid", "supervisor_start_time",
-    "resume_from", "save_interval_cap_seconds", "memory_dir", "node",  # the world's, per attempt
+    "resume_from", "save_interval_cap_seconds", "memory_dir", "node", "restart",  # the world's, per attempt
     "save_every_auto", "mtbf_seconds", "heartbeat_interval", "fault",  # from save_every, mtbf, heartbeat_timeout, inject_fault
     "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
     "ckpt_url", "local_cache", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option (store_location)
@@ -74,6 +75,7 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     # --- what runs ---
     script: Path | None = Field(None, description="Training script; None runs the embedded default job.")
     script_args: list[str] = Field(default_factory=list, description="Arguments passed to the script.")
+    restart_args: list[str] = Field(default_factory=list, description="Arguments appended to the script's on every restart and on resume, never on the first attempt (e.g. --resume): a script that needs a flag to continue from its own checkpoint.")
     # --- torchrun (same names as torchrun's flags) ---
     nproc_per_node: str = Field("1", description="Ranks on this node: a number, or auto/cpu/gpu as torchrun takes it.")
     nnodes: str = Field("1", description="Nodes (N or MIN:MAX): one `ckptrun launch` per node, node rank 0 leads.")
@@ -116,6 +118,17 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     strict_budget: bool = Field(False, description="Stop the run (exit 1) when the RTO estimate exceeds --rto-budget.")
     require_exact_resume: bool = Field(False, description="End the run (exit 4) when a resume's replayed losses diverge from the originals.")
 
+    @field_validator("restart_args", mode="before")
+    @classmethod
+    def _split_words(cls, value: Any) -> Any:
+        """``--restart-args "--resume --from ckpt.pt"``: one string, split as a shell would."""
+        if isinstance(value, str):
+            try:
+                return shlex.split(value)
+            except ValueError as exc:
+                raise ValueError(f"cannot split {value!r} into arguments: {exc}") from None
+        return value
+
     _durations = field_validator("time_limit", "grace_period", "heartbeat_timeout", "startup_timeout",
                                  "save_timeout", "save_every_seconds", "mtbf", "rto_budget", "node_join_timeout",
                                  mode="before")(parse_duration)
@@ -155,6 +168,8 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     @field_validator("inject_fault")
     @classmethod
     def _fault(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            return None  # `resume --inject-fault none`: no fault
         try:
             parse_faults(value)
         except FaultSpecError as exc:

@@ -37,7 +37,7 @@ from ckptrun.cli.supervision.observation import AttemptWatch, Observation, Outco
 from ckptrun.cli.supervision.policy import (GiveUp, Restart, RestartFacts, RestartPolicy, Timeouts, pick_suspect,
                                             stale_ranks, waiting_on_peers)
 from ckptrun.cli.supervision.recovery import Recovery, RecoveryOptions, relaunch_parts
-from ckptrun.cli.supervision import unloadable
+from ckptrun.cli.supervision import own_checkpoints, unloadable
 from ckptrun.cli.supervision.snapshot_source import SnapshotUnavailable
 from ckptrun.runtime.faults import parse_faults
 
@@ -57,6 +57,7 @@ class Supervisor(Endings):
         self.stalled_restarts = 0
         self.runtime_seen = False  # a runtime heartbeat, or a failure record saying the script imports the runtime
         self.plain_seen = False  # a step-hook heartbeat: the script does not use the runtime
+        self.framework_seen = False  # a heartbeat of ckptrun.integrations: Lightning / HF Trainer, its own checkpoints
         self.runtime_only_faults = sorted({f.kind for f in parse_faults(faults)} - set(STEP_FAULTS))
         self.pending_restart: dict[str, Any] | None = None
         self.recovery = Recovery(recovery)
@@ -149,7 +150,7 @@ class Supervisor(Endings):
                 self._force_stop(watch, obs)
                 return True
             return False
-        stale = stale_ranks(obs, watch.beats, watch.launched, self.timeouts, self.runtime_seen)
+        stale = stale_ranks(obs, watch.beats, watch.launched, self.timeouts, self.runtime_seen or self.framework_seen)
         if stale:
             self._stalled(watch, obs, stale)
             return True
@@ -163,12 +164,16 @@ class Supervisor(Endings):
                 watch.beats[rank] = view.beat
                 if view.beat.source == "runtime":
                     self.runtime_seen = True
+                elif view.beat.source == "framework":
+                    self._framework_notice()
                 else:
                     self._plain_script_notice()
             if not view.alive and watch.gone_at is None:
                 watch.gone_at = obs.time
         if obs.last_step is not None:
             watch.last_step, watch.last_step_time = obs.last_step, obs.last_step_time
+        if obs.steps and watch.first_step is None:
+            watch.first_step = int(obs.steps[0]["step"])
         if obs.first_step_time is not None and watch.first_step_time is None:
             watch.first_step_time = obs.first_step_time
             if watch.state is State.STARTING:
@@ -205,6 +210,11 @@ class Supervisor(Endings):
         watch.state, watch.forced = State.STOPPED, True
         return True
 
+    def _framework_notice(self) -> None:
+        if not self.framework_seen:
+            self.framework_seen = True
+            own_checkpoints.framework_notice(self.world)
+
     def _plain_script_notice(self) -> None:
         """Said once, when it is known: a step-hook heartbeat, or a failure record of a script without the runtime."""
         if self.plain_seen or self.runtime_seen:
@@ -212,8 +222,9 @@ class Supervisor(Endings):
         self.plain_seen = True
         self.world.event("plain_script")
         self.world.say("note: this script does not use ckptrun.runtime: its optimizer steps are watched (hangs, "
-                       "status, faults) and a failure restarts it (it resumes from its own files); verified "
-                       "snapshots, exact resume and saving on `ckptrun stop` need the runtime.")
+                       "status, faults) and a failure restarts it (its optimizer's step count shows whether it "
+                       "resumed from its own files); verified snapshots, exact resume and saving on `ckptrun stop` "
+                       "need the runtime.")
         if self.runtime_only_faults:
             self.world.say(f"warning: --inject-fault {', '.join(self.runtime_only_faults)} can never fire: "
                            "it needs ckptrun.runtime")
@@ -244,7 +255,7 @@ class Supervisor(Endings):
         stopped_event = bool(self.world.attempt_events("stopped"))
         if watch.state is State.STOPPING and self.plain:
             watch.state, watch.forced = State.STOPPED, obs.agent_exit != 0  # clean only if every rank exited 0
-        elif obs.agent_exit == 0:
+        elif obs.agent_exit == 0 or self._crashed_after_completion(watch, obs):
             watch.state = State.SUCCEEDED
         elif watch.state is State.STOPPING or stopped_event:
             watch.state = State.STOPPED
@@ -256,6 +267,9 @@ class Supervisor(Endings):
         if watch.failure is not None:
             watch.teardown_s = self.world.now() - (watch.detected_at or obs.time)
             self._report_failure(watch)
+
+    def _crashed_after_completion(self, watch: AttemptWatch, obs: Observation) -> bool:
+        return own_checkpoints.crashed_after_completion(self.world, watch.attempt, obs.agent_exit)
 
     def _crash_facts(self, watch: AttemptWatch, obs: Observation) -> dict[str, Any]:
         failures, agent_error = self.world.failures()
@@ -273,15 +287,18 @@ class Supervisor(Endings):
 
     def _stalled(self, watch: AttemptWatch, obs: Observation, stale: list[int]) -> None:
         watch.state, watch.detected_at = State.STALLED, obs.time
-        self.world.say(f"ranks {', '.join(map(str, stale))} made no progress: dumping their stacks, then restarting")
-        stacks = self.world.dump_stacks(stale)
-        suspect = pick_suspect(stale, watch.beats, stacks)
+        everyone = sorted(r for r, view in obs.ranks.items() if view.alive) or stale
+        self.world.say(f"ranks {', '.join(map(str, stale))} made no progress: dumping the stacks of every rank "
+                       f"({', '.join(map(str, everyone))}), then restarting")
+        stacks = self.world.dump_stacks(everyone)  # the hung rank may still look alive; its peers wait for it
+        suspect = pick_suspect(everyone, watch.beats, stacks)
         beat = watch.beats.get(suspect)
         steps = [s for s in (beat.step if beat else None, watch.last_step) if s is not None]
         watch.failure = {"cause": "hang", "rank": suspect, "suspect": suspect, "stale_ranks": stale,
                          "step": max(steps, default=None), "phase": beat.phase if beat else "start",
                          "last_sign_of_life": beat.time if beat else watch.launched, "plain_script": self.plain,
-                         "waiting_on_peers": {str(r): waiting_on_peers(stacks.get(r, "")) for r in stale}}
+                         "stacks_dumped": everyone,
+                         "waiting_on_peers": {str(r): waiting_on_peers(stacks.get(r, "")) for r in everyone}}
         self.world.teardown(failed=True)
         watch.teardown_s = self.world.now() - obs.time
         self._report_failure(watch)
@@ -329,7 +346,8 @@ class Supervisor(Endings):
             "verify_s": snapshot.verify_s if snapshot else 0.0, "backoff_s": verdict.delay,
         }
         where = (f"from snapshot step {snapshot.step}" if snapshot else
-                 "(the script resumes from its own files)" if self.plain else "from the start (no verified snapshot)")
+                 "(the script resumes from its newest verified checkpoint)" if self.framework_seen else
+                 "(the script should resume from its own files)" if self.plain else "from the start (no verified snapshot)")
         self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} {where}")
         return snapshot
 
@@ -374,4 +392,6 @@ class Supervisor(Endings):
         if not final and (watch.first_step_time is None or not self.recovery.settled()):
             return
         self.pending_restart = None
+        if self.plain or self.framework_seen:
+            own_checkpoints.after_resume(self.world, watch.attempt, pending, watch.first_step, self.plain)
         self.recovery.log_restart(self.world, pending)

@@ -119,7 +119,7 @@ class LocalWorld:
         return RunEnv(
             **self.spec.worker_policy(), run_id=self.run_id, run_dir=self.paths.root.resolve(),
             ckpt_dir=self.ckpt_dir.resolve(), attempt=attempt, supervised=True, supervisor_pid=self.supervisor.pid,
-            supervisor_start_time=self.supervisor.create_time(), resume_from=resume_from,
+            supervisor_start_time=self.supervisor.create_time(), resume_from=resume_from, restart=attempt > 1,
             save_interval_cap_seconds=self._interval_cap(), memory_dir=self.memory.path, debug=debug_enabled(),
         )
 
@@ -143,12 +143,17 @@ class LocalWorld:
         if self.warm and warm_workers_refused(self.paths.root):  # forked ranks found CUDA poisoned: spawn from now on
             self.warm = self.standby.warm = False
         warm_pids = log_dir / WARM_PIDS if self.warm else None  # ranks forked from the agent (runtime/worker/warm_start.py)
-        command = torchrun_command(log_dir / FAILURES_NAME, torchrun_args(self.spec, log_dir), self.target, warm_pids)
+        command = torchrun_command(log_dir / FAILURES_NAME, torchrun_args(self.spec, log_dir), self.attempt_target(attempt),
+                                   warm_pids)
         self.identity = {k: env[k] for k in (RUN_ID_VARIABLE, NODE_VARIABLE) if k in env}
         self._stop_rank_output()
         if self.show_ranks is not None:
             self.rank_output = RankOutput(log_dir / CONSOLE_NAME, self.show_ranks, self.progress.echo)
         self.process = self.standby.start(attempt, command, env, log_dir / CONSOLE_NAME, warm_pids)
+
+    def attempt_target(self, attempt: int) -> list[str]:
+        """The script and its arguments for one attempt: ``--restart-args`` join them from the second on."""
+        return [*self.target, *self.spec.restart_args] if attempt > 1 else list(self.target)
 
     # --- observing ---
 

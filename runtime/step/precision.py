@@ -100,6 +100,13 @@ class Policy:
         self.device = decision.device
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mode)
         self.scaler_config = scaler or ScalerConfig()
+        self.entered = False  # autocast ran at least once (run.train_step enters it; a script's own loop may not)
+        self.told = False  # the first step said which mode actually ran, when it is not the decided one
+
+    @property
+    def applied_mode(self) -> str:
+        """The mode as it ran: a mixed mode only once its autocast was entered, else fp32 (what ran)."""
+        return self.mode if self.autocast_dtype is None or self.entered else "fp32"
 
     def apply_matmul_flags(self) -> None:
         """fp32: IEEE matmul; tf32: TF32 on CUDA. One flag family, and only on CUDA (CPU defaults are IEEE)."""
@@ -117,6 +124,7 @@ class Policy:
     def autocast(self) -> ContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
+        self.entered = True
         return torch.autocast(self.device, dtype=self.autocast_dtype)
 
     def make_scaler(self) -> torch.amp.GradScaler | None:

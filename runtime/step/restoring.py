@@ -20,7 +20,7 @@ from ckptrun.runtime.checkpoint import snapshot, tiering, train_state
 from ckptrun.runtime.checkpoint.policies import refused_changes
 from ckptrun.runtime.checkpoint.verify import newest_verified
 from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.step import hparams, reshard, rng
+from ckptrun.runtime.step import hparams, per_rank, reshard, rng
 from ckptrun.runtime.step.exit_codes import EXIT_FAILED
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.worker import timeline
@@ -173,10 +173,13 @@ class Restoring:
 
     def _apply(self, loaded: snapshot.Loaded) -> None:
         tree = loaded.shared_tree
-        for name in self.objects:
+        for name in self._shared_objects():
             if name not in tree["objects"]:
                 self._refuse(f"snapshot has no state for {name!r} (tracked now, not when it was saved)")
-        train_state.apply(self.objects, tree["objects"], loaded.shared_tensors)
+        train_state.apply(self._shared_objects(), tree["objects"], loaded.shared_tensors)
+        if loaded.rank_tree and (missing := per_rank.restore({n: self.objects[n] for n in self.per_rank_names},
+                                                              loaded.rank_tree, loaded.rank_tensors)):
+            self._refuse(f"snapshot has no per-rank state for {', '.join(map(repr, missing))} (tracked now, not when it was saved)")
         self.step = tree["counters"]["step"]
         self.epoch = tree["counters"].get("epoch", 0)
         self.rollbacks = tree["counters"].get("rollbacks", 0)

@@ -21,7 +21,7 @@ from ckptrun.runtime.checkpoint import snapshot, train_state
 from ckptrun.runtime.checkpoint.policies import AutoCadence, FailedSaves, Retention, SaveCadence
 from ckptrun.runtime.checkpoint.retention import apply_retention
 from ckptrun.runtime.env import RunEnv
-from ckptrun.runtime.step import rng
+from ckptrun.runtime.step import per_rank, rng
 from ckptrun.runtime.step.exit_codes import EXIT_FAILED
 from ckptrun.runtime.step.loop import untracked_loader_in_use
 from ckptrun.runtime.step.precision import Policy
@@ -163,18 +163,23 @@ class Saving:
             records.log_event(self.run_dir, "cadence", step=self.step, attempt=self.env.attempt, **change)
 
     def _collect(self) -> snapshot.State:
-        trees, tensors, aliases = train_state.collect(self.objects)
+        if not self.checked_replicas:
+            self.checked_replicas = True
+            if differ := per_rank.divergent(self._shared_objects()):
+                self._refuse(per_rank.refusal(differ))
+        trees, tensors, aliases = train_state.collect(self._shared_objects())
         rng_tree, rng_tensors = rng.capture()
+        own_trees, own_tensors = per_rank.capture({n: self.objects[n] for n in self.per_rank_names})
         counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
         shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases}
-        return snapshot.State(shared_tree, tensors, {"rng": rng_tree}, rng_tensors,
-                              first_rank_keys=train_state.first_rank_keys(self.objects))
+        return snapshot.State(shared_tree, tensors, {"rng": rng_tree, per_rank.PREFIX: own_trees},
+                              {**rng_tensors, **own_tensors}, first_rank_keys=train_state.first_rank_keys(self.objects))
 
     def _info(self) -> snapshot.SnapshotInfo:
         loader = self.objects.get("loader")
         return snapshot.SnapshotInfo(
             run_id=self.env.run_id, lineage=self.lineage, parent=self.parent, step=self.step,
             epoch=getattr(loader, "epoch", self.epoch), samples_seen=getattr(loader, "samples_seen", 0),
-            precision=self.precision.mode, config=self.config, code_version=self.code_version,
+            precision=self.precision.applied_mode, config=self.config, code_version=self.code_version,
             world_size_history=self.world_history,
         )

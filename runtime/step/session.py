@@ -37,7 +37,7 @@ from ckptrun.runtime.checkpoint.saver import Saver
 from ckptrun.runtime.checkpoint.wrappers import unwrap as _unwrap
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.faults import parse_faults
-from ckptrun.runtime.step import hparams, reshard, stepper
+from ckptrun.runtime.step import hparams, per_rank, reshard, stepper
 from ckptrun.runtime.step.anomaly import AnomalyDetector
 from ckptrun.runtime.step.data import DataLoader
 from ckptrun.runtime.step.exit_codes import EXIT_STOPPED, EXIT_UNRECOVERABLE
@@ -62,6 +62,10 @@ def _code_version() -> str:
 
 class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
     """State, counters and policy of one training process. Create it with :func:`init`."""
+
+    owns_group = True  # init() created the default process group (False: the script did; finish() leaves it)
+    per_rank_names: frozenset[str] = frozenset()  # tracked with per_rank=True: stored in each rank's own files
+    checked_replicas = False  # the first save compares the shared objects' tensors across ranks (per_rank)
 
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
         self.env = env
@@ -110,9 +114,12 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
 
     # --- registration -----------------------------------------------------------
 
-    def track(self, **objects: Any) -> None:
+    def track(self, per_rank: bool = False, **objects: Any) -> None:
         """Register everything that must survive a restart: objects with state_dict/load_state_dict,
-        ``ckr.Value(x)`` for one plain value, or a dict of JSON-able values."""
+        ``ckr.Value(x)`` for one plain value, or a dict of JSON-able values. ``per_rank=True``: each rank
+        stores and restores its own copy (:mod:`ckptrun.runtime.step.per_rank`)."""
+        if per_rank:
+            self.per_rank_names = self.per_rank_names | {name for name, obj in objects.items() if obj is not None}
         if self.scaler is not None and "scaler" not in objects and "scaler" not in self.objects:
             objects = {**objects, "scaler": self.scaler}
         for name, obj in objects.items():
@@ -133,6 +140,10 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
                 self.memory.guard(obj)
             self.objects[name] = obj
         self._loaders = [obj for obj in self.objects.values() if isinstance(obj, DataLoader)]
+
+    def _shared_objects(self) -> dict[str, Any]:
+        """The tracked objects every rank holds alike (the snapshot's shared state): all but the per-rank ones."""
+        return {name: obj for name, obj in self.objects.items() if name not in self.per_rank_names}
 
     def _note_lr(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._lr_used = float(optimizer.param_groups[0]["lr"])
@@ -254,4 +265,6 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
         self.heart.beat(self.step, "done")
         if collectives.active():
             dist.barrier()
-            dist.destroy_process_group()
+            if self.owns_group:
+                if self.owns_group:
+                dist.destroy_process_group()

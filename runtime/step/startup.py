@@ -41,7 +41,8 @@ def init(config: dict[str, Any] | None = None, precision: str | None = None) -> 
             _refuse_early(env, f"the script asks for precision {precision!r} but the run was launched with "
                                f"{env.precision!r}; drop one of them", 2)
         env = env.model_copy(update={"precision": precision})
-    if "RANK" in os.environ and not collectives.active():
+    creates_group = "RANK" in os.environ and not collectives.active()
+    if creates_group:
         collectives.start(collectives.worker_device())
         timeline.mark("process_group")
     try:
@@ -64,6 +65,7 @@ def init(config: dict[str, Any] | None = None, precision: str | None = None) -> 
     enable_stack_dumps()
     watch_supervisor(env.supervisor_pid, env.supervisor_start_time)
     run = Run(env, config or {}, policy)
+    run.owns_group = creates_group  # a group the script created is the script's to destroy
     run.heart.beat(0, "init")
     if run.rank == 0:
         run.lineage = store.ensure_lineage(run.ckpt_dir, env.run_id).current

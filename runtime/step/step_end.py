@@ -15,6 +15,7 @@ checked for anomalies), a stop, the end of the loop and ``finish``.
 from __future__ import annotations
 
 import atexit
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -203,12 +204,26 @@ class StepEnd:
 
     # --- the metrics line -------------------------------------------------------------
 
+    def _tell_applied_precision(self, step: int) -> None:
+        """Once, at the first step record: a decided mixed mode whose autocast never ran is reported as the
+        fp32 that ran (the ``precision`` event again, with the reason), never as the mode that was decided."""
+        self.precision.told = True
+        if self.precision.applied_mode == self.precision.mode:
+            return
+        reason = (f"{self.precision.mode} was decided, but the script never entered its autocast "
+                  "(run.train_step applies it): it ran fp32")
+        records.log_event(self.run_dir, "precision", requested=self.precision.decision.requested, mode="fp32",
+                          decided=self.precision.mode, reason=reason, device=self.precision.device, step=step)
+        print(f"ckptrun: precision fp32 ({reason})", file=sys.stderr, flush=True)
+
     def _step_record(self, step: int, metrics: dict[str, Any], samples: int) -> dict[str, Any]:
         """Rank 0's line for a step, built when it ends; its loss is filled in once the ranks' sum arrives."""
         now = time.monotonic()
         elapsed, self.last_step_time = now - self.last_step_time, now
         record = {"step": step, "attempt": self.env.attempt, "loss": None, "time": time.time(), "step_time_s": elapsed,
-                  "precision": self.precision.mode, "saving": self.saver.busy()}
+                  "precision": self.precision.applied_mode, "saving": self.saver.busy()}
+        if not self.precision.told:
+            self._tell_applied_precision(step)
         if samples and elapsed > 0:
             record["samples_per_s"] = samples / elapsed
         optimizer = self.objects.get("optimizer")

@@ -42,14 +42,17 @@ class Heartbeater:
         self.last = 0.0
         (run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
         self._file: HeartbeatFile | None = None  # opened at the first beat
-        if source == "runtime":
+        if source != "step-hook":  # the runtime's or an integration's steps are the global ones
             Heartbeater.runtime_active = True
 
-    def beat(self, step: int, phase: Phase, force: bool = False) -> bool:
-        """True when a heartbeat was written (not throttled)."""
+    def beat(self, step: int, phase: Phase, force: bool = False, stale: bool = False) -> bool:
+        """True when a heartbeat was written (not throttled). ``stale``: record the step but keep the last
+        beat's time (an injected hang: the records show the step it hit, and the rank does not look alive)."""
         now = time.time()
         if not force and phase == self.phase and now - self.last < self.interval:
             return False
+        if stale and self.last:
+            now = self.last
         self.phase, self.last = phase, now
         if self._file is None:
             self._file = HeartbeatFile(self.run_dir, self.rank)

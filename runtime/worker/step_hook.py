@@ -11,7 +11,12 @@ it beats (so the supervisor, ``status`` and ``report`` see progress; no loss:
 the script keeps its loss to itself) and fires the step faults of C1
 (``kill``/``hang``/``exit``). Once the runtime has its own heartbeater
 (``init()``) the hook does nothing: the runtime's steps are authoritative.
-Importable without torch.
+
+The step it reports is the *global* one, read from the optimizer: the ``step`` that Adam-like optimizers
+keep in their state, else a counter ckptrun keeps in the first param group (``ckptrun_step``, a 0-dim
+tensor updated in place, so compiled steps see no new value to guard on). Both travel in the optimizer's
+``state_dict``, so a script that resumes from its own checkpoint continues the count and one that started
+over shows step 1 again (the supervisor says so: ``started_over``). Importable without torch.
 """
 
 from __future__ import annotations
@@ -76,9 +81,11 @@ class StepHook:
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if Heartbeater.runtime_active:
             return
-        self.counts[id(optimizer)] = self.counts.get(id(optimizer), 0) + 1
+        self.counts[id(optimizer)] = global_step(optimizer)
         self.step = max(self.counts.values())
-        if self.heart.beat(self.step, "train", force=self.faults.step_fault_due(self.step)):
+        due = self.faults.step_fault_due(self.step)
+        hangs = due and self.faults.hang_due(self.step)  # its step, at its last beat's time: not alive
+        if self.heart.beat(self.step, "train", force=due, stale=hangs):
             self._log_step()  # forced before a fault: the records show the step it hit
         self.faults.after_step(self.step)
 
@@ -94,6 +101,33 @@ class StepHook:
         if self.step and not Heartbeater.runtime_active:
             self.heart.beat(self.step, "done")
             self._log_step()
+
+
+COUNTER = "ckptrun_step"
+
+
+def global_step(optimizer: Any) -> int:
+    """The optimizer's own step count after this step: Adam-like ``state[p]["step"]`` (on the CPU: reading a
+    device tensor would wait for the device), else ckptrun's counter in the first param group."""
+    first = next(iter(optimizer.state.values()), None)  # every parameter steps together: one read per step
+    known = _number(first["step"]) if isinstance(first, dict) and "step" in first else None
+    group = optimizer.param_groups[0]
+    counter = group.get(COUNTER)
+    if known is not None and counter is None:
+        return known
+    if counter is None:
+        import torch
+
+        counter = group[COUNTER] = torch.zeros((), dtype=torch.int64)
+    counter.add_(1)
+    return int(counter)
+
+
+def _number(value: Any) -> int | None:
+    if isinstance(value, (int, float)):
+        return int(value)
+    device = getattr(value, "device", None)
+    return int(value.item()) if device is not None and device.type == "cpu" else None
 
 
 def install() -> None:

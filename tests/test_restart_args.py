@@ -1,0 +1,65 @@
+"""A plain script that needs a flag to resume (issue 23, items 2 and 3).
+
+With ``--restart-args --resume`` the restart resumes from the script's own checkpoint, every rank sees
+``CKPTRUN_RESTART=1``, and the lost steps, the step records and "completed at step" are global steps read from
+the optimizer. Without it the restart starts over: ckptrun says so (``started_over``), never "resumes".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from launch_helpers import COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events, one
+
+SCRIPT = str(FIXTURES / "flag_resume_ddp.py")
+KILL = ["--inject-fault", "kill:rank=1:step=7"]
+
+
+@pytest.fixture
+def cleanup() -> Iterator[Cleanup]:
+    tracker = Cleanup()
+    yield tracker
+    tracker.close()
+
+
+def logged(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_restart_args_resume_the_script_and_the_lost_steps_are_true(tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir, out = cleanup.run_dir(tmp_path / "runs" / "flag"), tmp_path / "out"
+    result = ckptrun("launch", *COMMON, *KILL, "--name", "flag", "--restart-args", "--resume", SCRIPT,
+                     "--out", str(out), "--steps", "12", cwd=tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = logged(out)
+    assert [r["step"] for r in lines] == [*range(1, 8), *range(6, 13)]  # killed after 7, resumed from its step 5
+    assert {r["restart"] for r in lines if r["attempt"] == "1"} == {"0"}
+    assert {r["restart"] for r in lines if r["attempt"] == "2"} == {"1"}
+    restart = one(run_dir, "restart")
+    assert (restart["resumed_step"], restart["lost_steps"]) == (5, 2)
+    assert not events(run_dir, "started_over")
+    assert "resumed from its own checkpoint at step 5" in result.stderr
+    assert "run completed at step 12" in result.stderr
+    assert json.loads((run_dir / "run.json").read_text())["spec"]["restart_args"] == ["--resume"]
+    assert_no_processes(run_dir, within=5)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_a_restart_that_started_over_is_said(tmp_path: Path, cleanup: Cleanup) -> None:
+    run_dir, out = cleanup.run_dir(tmp_path / "runs" / "over"), tmp_path / "out"
+    result = ckptrun("launch", *COMMON, *KILL, "--name", "over", SCRIPT, "--out", str(out), "--steps", "10",
+                     cwd=tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in logged(out)] == [*range(1, 8), *range(1, 11)]
+    over = one(run_dir, "started_over")
+    assert (over["attempt"], over["previous_step"]) == (2, 7)
+    assert one(run_dir, "restart")["lost_steps"] == 7
+    assert "started over at step 1" in result.stderr and "--restart-args" in result.stderr
+    assert "resumes from its own files" not in result.stderr and "resumed from its own checkpoint" not in result.stderr
+    assert_no_processes(run_dir, within=5)
