@@ -266,5 +266,4 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
         if collectives.active():
             dist.barrier()
             if self.owns_group:
-                if self.owns_group:
                 dist.destroy_process_group()
