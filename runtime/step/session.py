@@ -37,7 +37,7 @@ from ckptrun.runtime.checkpoint.saver import Saver
 from ckptrun.runtime.checkpoint.wrappers import unwrap as _unwrap
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.faults import parse_faults
-from ckptrun.runtime.step import hparams, per_rank, reshard, stepper
+from ckptrun.runtime.step import hparams, reshard, stepper
 from ckptrun.runtime.step.anomaly import AnomalyDetector
 from ckptrun.runtime.step.data import DataLoader
 from ckptrun.runtime.step.exit_codes import EXIT_STOPPED, EXIT_UNRECOVERABLE
