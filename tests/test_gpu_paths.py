@@ -288,6 +288,19 @@ def test_zero_gradients_are_counted_on_the_decision_cadence() -> None:
     assert all(zero_count_due(s, 1) for s in range(5))
 
 
+def test_a_rank_without_gradients_still_joins_the_zero_count_reduction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other ranks wait in the reduction: a rank whose parameters got no gradient must not skip it."""
+    import torch
+
+    from ckptrun.runtime import collectives
+    from ckptrun.runtime.step import stepper
+
+    calls: list[list[float]] = []
+    monkeypatch.setattr(collectives, "all_reduce_sum", lambda values: calls.append(values) or [0.0, 6.0])
+    assert stepper._zero_fraction([torch.nn.Parameter(torch.ones(2, 3))]) == 1.0  # no .grad here, six elsewhere
+    assert calls == [[0.0, 0.0]]
+
+
 # --- item 7: an op without a deterministic kernel -----------------------------------------------
 
 
