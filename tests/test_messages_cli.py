@@ -270,6 +270,17 @@ def test_a_plain_value_and_a_dict_are_tracked_and_restored(tmp_path: Path) -> No
     assert Value(float("inf")).state_dict() == {"value": float("inf")}
 
 
+@pytest.mark.parametrize("value", [{"pair": (1, 2)}, {1: "one"}, [{"nested": (0.5,)}]])
+def test_a_plain_value_that_json_would_change_is_refused_at_save(value: object) -> None:
+    """A tuple read back as a list, an int key as a string: refused when saved, not changed by a restore."""
+    from ckptrun.runtime.checkpoint.plain_state import Value, jsonable
+
+    with pytest.raises(TypeError, match="does not survive JSON unchanged"):
+        Value(value).state_dict()
+    kept = {"nan": float("nan"), "inf": float("inf"), "list": [1, 2.5, None, True], "dict": {"k": "v"}}
+    assert json.dumps(jsonable(kept, "ok")) == json.dumps(kept)
+
+
 # --- item 5: leftovers and stale words ---------------------------------------------------------------
 
 
