@@ -178,6 +178,20 @@ def test_staging_a_dtensor_builds_a_host_dtensor_without_from_local(one_rank_gro
     assert torch.equal(second.to_local(), weight.to_local())
 
 
+def test_ddp_buffers_are_rank_0s_also_under_torch_compile(one_rank_group: None) -> None:
+    """``torch.compile(DDP(model))`` holds DDP as ``_orig_mod``: its BatchNorm statistics are still rank 0's to save."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ckptrun.runtime.checkpoint import train_state
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)))
+    plain = train_state.first_rank_keys({"model": ddp})
+    assert plain and plain <= set(train_state.collect({"model": ddp})[1])  # stored keys, as collect names them
+    assert train_state.first_rank_keys({"model": torch.compile(ddp)}) == plain
+    assert train_state.first_rank_keys({"model": ddp.module}) == frozenset()  # no DDP: every rank's copy is its own
+
+
 # --- item 3: what staging fences on a GPU, as calls (the streams themselves need `make gpu-check`) -----------
 
 
