@@ -345,6 +345,25 @@ def test_only_the_leaders_node_appends_to_the_shared_events_file(tmp_path: Path)
     assert [r["step"] for r in read_events(run_dir, "node1_rank")] == [3]
 
 
+def test_the_supervisor_sees_the_events_of_a_rank_0_on_another_node(tmp_path: Path) -> None:
+    """Global rank 0 may run on node 1 (torch's rendezvous assigns ranks): its ``snapshot_saved`` lands in
+    node 1's file, and every node's supervisor must still see it (the no-progress rule counts on it)."""
+    from ckptrun.cli.progress import Progress
+    from ckptrun.cli.supervision.rundir import RunPaths
+    from ckptrun.cli.supervision.spec import LaunchSpec
+    from ckptrun.cli.supervision.world import LocalWorld
+    from ckptrun.runtime.records import log_event
+
+    log_event(tmp_path, "snapshot_saved", writer_node=1, step=5)  # before this world: not new
+    world = LocalWorld(LaunchSpec(), "r", RunPaths(tmp_path), tmp_path / "checkpoints", [], Progress())
+    log_event(tmp_path, "snapshot_saved", writer_node=1, step=10)
+    log_event(tmp_path, "snapshot_saved", writer_node=2, step=15)  # a file that did not exist yet
+    log_event(tmp_path, "stopped", step=15)
+    assert [e["step"] for e in world.attempt_events("snapshot_saved")] == [10, 15]
+    assert [e["step"] for e in world.attempt_events("stopped")] == [15]
+    assert world.snapshot_step == 15
+
+
 def test_the_status_line_names_the_snapshot_the_ranks_restored_not_the_one_on_disk(tmp_path: Path) -> None:
     """A memory-tier restore (step 90) is newer than the durable snapshot the supervisor picked (step 50)."""
     import io
