@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,13 +212,3 @@ class NodeWorld(LocalWorld):
                                            detected_at=fields.get("detected_at"), detect_s=fields.get("detect_s"))
         except StoreUnreachable:
             return None
-
-
-def wait_for(condition: Any, timeout: float, poll: float = 0.2, what: str = "") -> Any:
-    """Poll ``condition`` until it returns something truthy or ``timeout`` passes (None then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value or time.monotonic() >= deadline:
-            return value or None
-        time.sleep(poll)
