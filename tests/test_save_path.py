@@ -195,3 +195,23 @@ def test_world_of_one_with_a_process_group_plans_nothing_and_saves(tmp_path):
     [rank] = run_ranks(1, tmp_path)
     assert [s["plans"] for s in rank["seen"]] == [0] * 5, "a world of one writes everything: no plan, no collective"
     assert rank["saved"] == {"ok": True, "error": None, "plans": 0, "equal": True}
+
+
+def test_the_overlap_policy_skips_on_every_rank_or_none(tmp_path, monkeypatch):
+    """Each rank's writer finishes on its own (rank 0's last): a rank whose own save is done still skips when
+    another rank's is in flight, or it would wait alone in the next save's collectives."""
+    from ckptrun.runtime import collectives
+
+    sums: list[list[float]] = []
+    elsewhere = 1.0  # another rank's writer is still busy
+    monkeypatch.setattr(collectives, "all_reduce_sum", lambda values: sums.append(values) or [values[0] + elsewhere])
+    skipping = Saver(tmp_path / "a", "sha256", asynchronous=True, overlap="skip")
+    assert not skipping.busy() and skipping.overlap_skips() and sums == [[0.0]]
+    elsewhere = 0.0
+    assert not skipping.overlap_skips()
+    sums.clear()
+    assert not Saver(tmp_path / "b", "sha256", asynchronous=True).overlap_skips() and sums == []  # wait: no question
+    results: list[snapshot.SaveResult] = []
+    info = snapshot.SnapshotInfo("skip", "l", None, 4, 0, 0, "fp32", {}, "")
+    skipping.begin(snapshot.State({}, {}, {}, {}), info, lambda phase: None, results.append, skip=True)
+    assert [(r.ok, r.skipped, r.step) for r in results] == [(False, True, 4)]

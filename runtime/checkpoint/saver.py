@@ -78,17 +78,24 @@ class Saver:
         self.last_published: tuple[int, str] | None = None  # (step, tensor digest) of this process's last save
 
     def busy(self) -> bool:
+        """This rank's previous save is still being written (a fact of this rank only)."""
         return self.pending is not None and not self.pending.done()
 
+    def overlap_skips(self) -> bool:
+        """Whether the overlap policy skips the save due now: ``skip``, and the previous save still in flight on
+        *any* rank (each rank's writer finishes on its own, rank 0's last, after retention), so that every rank
+        skips or none. Under ``skip``, collective on the training thread's group: every rank asks at the same save."""
+        return self.overlap == "skip" and collectives.all_reduce_sum([float(self.busy())])[0] > 0
+
     def begin(self, state: State, info: SnapshotInfo, fault: FaultHook,
-              on_result: Callable[[SaveResult], None], waited: float = 0.0) -> None:
+              on_result: Callable[[SaveResult], None], waited: float = 0.0, skip: bool = False) -> None:
         """Start a save at this step boundary; its result reaches ``on_result`` (every rank) and :meth:`collect`.
 
         Sync: done when this returns. Async: only staged; a refused preflight or a
-        skip by the overlap policy is a failed result at once.
+        skip by the overlap policy (``skip``: :meth:`overlap_skips`, agreed) is a failed result at once.
         """
         started = time.monotonic()
-        if self.busy() and self.overlap == "skip":
+        if skip:
             return self._refused(info.step, "skipped: the previous save is still in flight", on_result)
         waited += self._settle(wait=True)
         owned = self.owned(state.shared_tensors, self.group, state.first_rank_keys)

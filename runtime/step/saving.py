@@ -70,7 +70,8 @@ class Saving:
         self.heart.beat(self.step, "save")
         self._check_loaders()
         step, started = self.step, time.monotonic()
-        if not (self.saver.busy() and self.env.save_overlap == "skip"):
+        skip = self.saver.overlap_skips()  # agreed: every rank skips this save, or none does
+        if not skip:
             self._settle_saves(wait=True)  # at most one in flight; its outcome names the next parent
         if self.save_budget_spent is not None:  # every rank settled the same results: they agree here
             self._refuse(f"{self.save_budget_spent}; free disk space or fix the checkpoint dir, "
@@ -79,7 +80,7 @@ class Saving:
         if waited > 0.001 and self.rank == 0:
             records.log_event(self.run_dir, "save_waited", step=step, seconds=waited)
         self.saver.begin(self._collect(), self._info(), fault=lambda phase: self.faults.during_save(step, phase),
-                         on_result=self._on_save_result, waited=waited)
+                         on_result=self._on_save_result, waited=waited, skip=skip)
         if self.auto is not None:
             self.auto.started()
             self.cadence = replace(self.cadence, every_seconds=self.auto.interval)
