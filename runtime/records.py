@@ -4,9 +4,12 @@ Several processes append to the same JSONL file, so every append is one
 ``O_APPEND`` write of one whole line (atomic for small writes on a local file
 system), and every reader tolerates a torn last line left by a process killed
 mid-write. ``O_APPEND`` is atomic on one machine only, not across NFS clients:
-on many nodes a shared file has one writer, the leader's node (node rank 0);
-the others write their events to ``nodes/node-K/events.jsonl`` (their launcher,
-and their ranks by C1's ``CKPTRUN_NODE``), and :func:`read_events` merges them. Heartbeats are one small file per rank, rewritten in place by its rank
+on many nodes ``events.jsonl`` is written from the leader's node (node rank 0)
+only; the others write their events to ``nodes/node-K/events.jsonl`` (their
+launcher, and their ranks by C1's ``CKPTRUN_NODE``), and :func:`read_events`
+merges them. ``metrics.jsonl`` has one writer wherever it runs (global rank 0);
+``fatal.jsonl`` is still appended by whichever rank refuses (rare, one line).
+Heartbeats are one small file per rank, rewritten in place by its rank
 (:class:`HeartbeatFile`); readers skip one caught half written.
 Importable without torch.
 """

@@ -178,6 +178,20 @@ def test_staging_a_dtensor_builds_a_host_dtensor_without_from_local(one_rank_gro
     assert torch.equal(second.to_local(), weight.to_local())
 
 
+def test_ddp_buffers_are_rank_0s_also_under_torch_compile(one_rank_group: None) -> None:
+    """``torch.compile(DDP(model))`` holds DDP as ``_orig_mod``: its BatchNorm statistics are still rank 0's to save."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ckptrun.runtime.checkpoint import train_state
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)))
+    plain = train_state.first_rank_keys({"model": ddp})
+    assert plain and plain <= set(train_state.collect({"model": ddp})[1])  # stored keys, as collect names them
+    assert train_state.first_rank_keys({"model": torch.compile(ddp)}) == plain
+    assert train_state.first_rank_keys({"model": ddp.module}) == frozenset()  # no DDP: every rank's copy is its own
+
+
 # --- item 3: what staging fences on a GPU, as calls (the streams themselves need `make gpu-check`) -----------
 
 
@@ -286,6 +300,19 @@ def test_zero_gradients_are_counted_on_the_decision_cadence() -> None:
 
     assert [s for s in range(12) if zero_count_due(s, 4)] == [3, 7, 11]
     assert all(zero_count_due(s, 1) for s in range(5))
+
+
+def test_a_rank_without_gradients_still_joins_the_zero_count_reduction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other ranks wait in the reduction: a rank whose parameters got no gradient must not skip it."""
+    import torch
+
+    from ckptrun.runtime import collectives
+    from ckptrun.runtime.step import stepper
+
+    calls: list[list[float]] = []
+    monkeypatch.setattr(collectives, "all_reduce_sum", lambda values: calls.append(values) or [0.0, 6.0])
+    assert stepper._zero_fraction([torch.nn.Parameter(torch.ones(2, 3))]) == 1.0  # no .grad here, six elsewhere
+    assert calls == [[0.0, 0.0]]
 
 
 # --- item 7: an op without a deterministic kernel -----------------------------------------------

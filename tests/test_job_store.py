@@ -190,7 +190,7 @@ def _in_thread(call):
 def test_a_follower_takes_the_next_attempt_by_its_number_never_by_the_leaders_clock() -> None:
     """Finding 5: the leader's clock an hour behind the follower's; an attempt already running when the follower
     joins (or one that leaves it out) is not its; the next one listing it is."""
-    from ckptrun.cli.supervision.node_world import wait_for
+    from launch_helpers import wait_for
 
     leader = JobStore.host("run-n", "127.0.0.1", 0)
     follower = JobStore.connect("run-n", "127.0.0.1", leader.port, timeout_s=5)

@@ -113,7 +113,7 @@ def test_recovers_exactly(scenario: Scenario, reference: dict[int, float], tmp_p
     assert_losses_equal(run_dir, reference)
     reports = verify_dir(run_dir / "checkpoints")
     assert reports and all(r.ok for r in reports if r.status != "in-progress"), [r.to_json() for r in reports]
-    assert_no_processes(run_dir, within=5)
+    assert_no_processes(run_dir)
 
 
 def newest_published_before(run_dir: Path, time: float) -> int | None:
@@ -133,7 +133,7 @@ def test_syntax_error_is_not_retried(tmp_path: Path, cleanup: Cleanup) -> None:
     assert "hint: " in result.stderr and "Traceback" not in result.stderr
     assert len(events(run_dir, "attempt_start")) == 1
     assert one(run_dir, "failure")["phase"] == "load"
-    assert_no_processes(run_dir, within=5)
+    assert_no_processes(run_dir)
 
 
 @pytest.mark.timeout(90)
@@ -145,7 +145,7 @@ def test_restart_budget_exhausted_exits_1(tmp_path: Path, cleanup: Cleanup) -> N
     assert "restart budget is spent" in result.stderr
     assert len(events(run_dir, "restart")) == 1
     assert one(run_dir, "gave_up")["exit_code"] == 1 and len(events(run_dir, "failure")) == 2
-    assert_no_processes(run_dir, within=5)
+    assert_no_processes(run_dir)
 
 
 # --- stopping --------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_ckptrun_stop_then_sigterm_of_a_resume_from_an_older_snapshot_and_resume
     stopped_at = one(run_dir, "stopped")["step"]
     assert stopped_at < JOB_STEPS and not (run_dir / "stop").exists()
     assert_losses_equal(run_dir, reference, prefix=True)
-    assert_no_processes(run_dir, within=5)
+    assert_no_processes(run_dir)
 
     older = min(e["step"] for e in events(run_dir, "snapshot_saved") if e["step"] < stopped_at and (Path(e["path"])).exists())
     resumed = cleanup.track(start("resume", "--from", str(older), "--run-dir", str(run_dir), cwd=tmp_path,
@@ -182,13 +182,13 @@ def test_ckptrun_stop_then_sigterm_of_a_resume_from_an_older_snapshot_and_resume
     assert list((run_dir / "checkpoints" / "abandoned").glob(f"*/step-{stopped_at:09d}"))
     stopped = events(run_dir, "stopped")[-1]
     assert stopped["step"] == max(attempt_steps(run_dir, 2)) < JOB_STEPS
-    assert_no_processes(run_dir, within=5)
+    assert_no_processes(run_dir)
 
     result = ckptrun("resume", "--latest", cwd=tmp_path)  # the most recent run under runs/
     assert result.returncode == 0, result.stderr[-3000:]
     assert events(run_dir, "resume")[-1]["snapshot_step"] == stopped["step"]  # zero lost steps
     assert_losses_equal(run_dir, reference)
-    assert_no_processes(run_dir, within=5)
+    assert_no_processes(run_dir)
 
 
 def attempt_steps(run_dir: Path, attempt: int) -> list[int]:
@@ -205,7 +205,7 @@ def test_sigkill_of_the_supervisor_leaves_no_process(tmp_path: Path, cleanup: Cl
     assert len(run_processes(run_dir)) >= 3  # torchrun and two ranks, at least
     launcher.kill()
     launcher.wait()
-    assert_no_processes(run_dir, within=15)
+    assert_no_processes(run_dir)
     logs = "".join(tail(p, 2000) for p in (run_dir / "logs" / "attempt-1").glob("*/attempt_0/*/stderr.log"))
     assert "is gone; exiting" in logs, logs  # the watchdog fired (torchrun may then end the other rank)
 

@@ -270,6 +270,17 @@ def test_a_plain_value_and_a_dict_are_tracked_and_restored(tmp_path: Path) -> No
     assert Value(float("inf")).state_dict() == {"value": float("inf")}
 
 
+@pytest.mark.parametrize("value", [{"pair": (1, 2)}, {1: "one"}, [{"nested": (0.5,)}]])
+def test_a_plain_value_that_json_would_change_is_refused_at_save(value: object) -> None:
+    """A tuple read back as a list, an int key as a string: refused when saved, not changed by a restore."""
+    from ckptrun.runtime.checkpoint.plain_state import Value, jsonable
+
+    with pytest.raises(TypeError, match="does not survive JSON unchanged"):
+        Value(value).state_dict()
+    kept = {"nan": float("nan"), "inf": float("inf"), "list": [1, 2.5, None, True], "dict": {"k": "v"}}
+    assert json.dumps(jsonable(kept, "ok")) == json.dumps(kept)
+
+
 # --- item 5: leftovers and stale words ---------------------------------------------------------------
 
 
@@ -334,6 +345,25 @@ def test_only_the_leaders_node_appends_to_the_shared_events_file(tmp_path: Path)
     assert [r["step"] for r in read_events(run_dir, "node1_rank")] == [3]
 
 
+def test_the_supervisor_sees_the_events_of_a_rank_0_on_another_node(tmp_path: Path) -> None:
+    """Global rank 0 may run on node 1 (torch's rendezvous assigns ranks): its ``snapshot_saved`` lands in
+    node 1's file, and every node's supervisor must still see it (the no-progress rule counts on it)."""
+    from ckptrun.cli.progress import Progress
+    from ckptrun.cli.supervision.rundir import RunPaths
+    from ckptrun.cli.supervision.spec import LaunchSpec
+    from ckptrun.cli.supervision.world import LocalWorld
+    from ckptrun.runtime.records import log_event
+
+    log_event(tmp_path, "snapshot_saved", writer_node=1, step=5)  # before this world: not new
+    world = LocalWorld(LaunchSpec(), "r", RunPaths(tmp_path), tmp_path / "checkpoints", [], Progress())
+    log_event(tmp_path, "snapshot_saved", writer_node=1, step=10)
+    log_event(tmp_path, "snapshot_saved", writer_node=2, step=15)  # a file that did not exist yet
+    log_event(tmp_path, "stopped", step=15)
+    assert [e["step"] for e in world.attempt_events("snapshot_saved")] == [10, 15]
+    assert [e["step"] for e in world.attempt_events("stopped")] == [15]
+    assert world.snapshot_step == 15
+
+
 def test_the_status_line_names_the_snapshot_the_ranks_restored_not_the_one_on_disk(tmp_path: Path) -> None:
     """A memory-tier restore (step 90) is newer than the durable snapshot the supervisor picked (step 50)."""
     import io
@@ -361,7 +391,8 @@ def test_a_plain_scripts_start_up_does_not_show_the_runtimes_cadence(tmp_path: P
 
     (tmp_path / "plain.py").write_text("import torch\nprint('training')\n")
     (tmp_path / "adopted.py").write_text("def main():\n    import ckptrun.runtime as ckr\n    ckr.init()\n")
-    assert snapshot_line(LaunchSpec(script=tmp_path / "plain.py")) == (
-        "snapshots: none by ckptrun (the script does not use ckptrun.runtime; a restart resumes from its own files)")
+    assert snapshot_line(LaunchSpec(script=tmp_path / "plain.py")) == (  # a module it imports may use the runtime
+        "snapshots: none by ckptrun, unless a module the script imports uses ckptrun.runtime (the script itself does "
+        "not import it; without it, a restart resumes from the script's own files)")
     for script in (tmp_path / "adopted.py", None):  # None: the embedded default job
         assert snapshot_line(LaunchSpec(script=script, save_every_steps=5)) == "snapshots: every 5 steps"

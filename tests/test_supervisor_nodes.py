@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launch_helpers import wait_for
 from supervisor_helpers import T0, ScriptedNodeWorld, node_supervisor, training
 
 from ckptrun.cli.supervision.job_store import JobStore
-from ckptrun.cli.supervision.node_world import wait_for
 from ckptrun.cli.supervision.observation import Observation, Outcome, RankView, Snapshot
 
 SNAP15 = Snapshot(Path("/ckpt/step-000000015"), 15, verify_s=0.1)

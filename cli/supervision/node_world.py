@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,13 +224,3 @@ def peer_error(failure: dict[str, Any]) -> bool:
     (no signal of its own). Such a node yields to one that saw a signal or another exception."""
     text = str(failure.get("exception") or "").lower()
     return failure.get("cause") == "crash" and not failure.get("signal") and any(p in text for p in PEER_ERRORS)
-
-
-def wait_for(condition: Any, timeout: float, poll: float = 0.2, what: str = "") -> Any:
-    """Poll ``condition`` until it returns something truthy or ``timeout`` passes (None then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value or time.monotonic() >= deadline:
-            return value or None
-        time.sleep(poll)

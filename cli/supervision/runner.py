@@ -279,8 +279,9 @@ def _world(record: RunRecord, paths: RunPaths, progress: Progress, resume: Snaps
 
 
 def snapshot_line(spec: LaunchSpec) -> str:
-    """The start-up line on snapshots: the cadence, or, for a script that never imports ckptrun.runtime (read
-    from its code, as the bootstrap reads it), that ckptrun saves nothing for it."""
+    """The start-up line on snapshots: the cadence, or, for a script whose own code never imports ckptrun.runtime
+    (read from its code, as the bootstrap reads it), that ckptrun saves nothing for it unless a module it imports
+    does (only the ranks can tell: the supervisor's "this script does not use ckptrun.runtime" note follows)."""
     from ckptrun.runtime.worker.bootstrap import names_runtime
 
     try:
@@ -288,7 +289,8 @@ def snapshot_line(spec: LaunchSpec) -> str:
     except (OSError, SyntaxError, ValueError):
         plain = False  # the first attempt says what is wrong with it
     if plain:
-        return "snapshots: none by ckptrun (the script does not use ckptrun.runtime; a restart resumes from its own files)"
+        return ("snapshots: none by ckptrun, unless a module the script imports uses ckptrun.runtime (the script "
+                "itself does not import it; without it, a restart resumes from the script's own files)")
     return f"snapshots: {cadence(spec)}"
 
 

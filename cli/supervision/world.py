@@ -73,6 +73,27 @@ class JsonlTail:
         return out
 
 
+class EventTails:
+    """New records of every events file of the run: the shared ``events.jsonl`` and, on many nodes, each other
+    node's ``nodes/node-K/events.jsonl`` (:func:`ckptrun.runtime.records.events_file`). Global rank 0, which
+    writes ``snapshot_saved``, ``restored``, ``stopped``…, may run on any node, so the supervisor reads them all."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.tails = {path: JsonlTail(path) for path in self._files()}
+
+    def _files(self) -> list[Path]:
+        return [self.run_dir / records.EVENTS, *sorted(self.run_dir.glob(f"nodes/node-*/{records.EVENTS}"))]
+
+    def read(self) -> list[dict[str, Any]]:
+        out = []
+        for path in self._files():
+            if path not in self.tails:  # created since: every record in it is new
+                self.tails[path] = JsonlTail(path, from_end=False)
+            out.extend(self.tails[path].read())
+        return out
+
+
 class LocalWorld:
     """One node's attempts, observed through psutil and the run directory."""
 
@@ -92,7 +113,7 @@ class LocalWorld:
         self.cadence_told = False
         self.launched = 0.0
         self.metrics = JsonlTail(paths.root / records.METRICS)
-        self.events = JsonlTail(paths.root / records.EVENTS)
+        self.events = EventTails(paths.root)
         self.attempt_log: list[dict[str, Any]] = []
         self.first_step_time: float | None = None
         self.last_metric: dict[str, Any] | None = None
@@ -131,7 +152,7 @@ class LocalWorld:
 
     def launch(self, attempt: int, resume_from: Path | None) -> None:
         self.attempt, self.launched = attempt, time.time()
-        self.metrics, self.events = JsonlTail(self.metrics.path), JsonlTail(self.events.path)
+        self.metrics, self.events = JsonlTail(self.metrics.path), EventTails(self.paths.root)
         self.attempt_log, self.first_step_time, self.last_metric, self.rate_base = [], None, None, None
         self.new_steps, self.attempt_snapshot = [], None
         log_dir = self.paths.attempt_logs(attempt)

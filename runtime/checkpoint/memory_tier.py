@@ -41,7 +41,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ckptrun.runtime import collectives, records
 from ckptrun.runtime.storage import store
@@ -116,10 +115,6 @@ class MemoryTier:
 
     def due(self, step: int) -> bool:
         return self.saver is not None and self.cadence.due(step)
-
-    def guard(self, optimizer: Any) -> None:
-        if self.saver is not None:
-            self.saver.guard(optimizer)
 
     def settle(self, wait: bool = False) -> None:
         """Account for finished memory saves (``wait``: the one in flight too); every rank sees the same results."""

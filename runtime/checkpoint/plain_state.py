@@ -10,6 +10,7 @@ Torch-free.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -51,14 +52,22 @@ def jsonable(value: Any, where: str) -> Any:
         raise TypeError(f"{where}: {exc}; plain values must be JSON-able (numbers, strings, bools, None, "
                         "lists and dicts of them); track an object with state_dict/load_state_dict instead") from None
     copy = json.loads(text)
-    if copy != value and not _same_with_nan(copy, value):
+    if not _same(copy, value):
         raise TypeError(f"{where}: {value!r} does not survive JSON unchanged (tuples become lists, keys strings); "
                         "store lists and string keys")
     return copy
 
 
-def _same_with_nan(a: Any, b: Any) -> bool:
-    return json.dumps(a, allow_nan=True, sort_keys=True) == json.dumps(b, allow_nan=True, sort_keys=True)
+def _same(copy: Any, value: Any) -> bool:
+    """Whether ``value`` reads back from JSON as ``copy`` unchanged: the same containers (a tuple is not a
+    list), the same keys (``1`` is not ``"1"``), equal scalars, NaN where NaN was."""
+    if isinstance(copy, dict):
+        return isinstance(value, dict) and list(copy) == list(value) and all(_same(copy[k], value[k]) for k in copy)
+    if isinstance(copy, list):
+        return isinstance(value, list) and len(copy) == len(value) and all(map(_same, copy, value))
+    if isinstance(copy, float) and math.isnan(copy):
+        return isinstance(value, float) and math.isnan(value)
+    return bool(copy == value)
 
 
 def hint(obj: Any) -> str:

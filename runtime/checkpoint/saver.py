@@ -80,13 +80,8 @@ class Saver:
         self.paused_s = 0.0  # seconds the background writer has spent in pacing pauses, all saves together
         self.last_published: tuple[int, str] | None = None  # (step, tensor digest) of this process's last save
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing to hook on ``optimizer`` any more: the training stream itself waits, on the GPU, for the last
-        device-to-host copy before anything after staging runs (:mod:`staging`), and a CPU wait before the
-        step would fence only the optimizer, not the next forward's in-place buffer writes."""
-        del optimizer
-
     def busy(self) -> bool:
+        """This rank's previous save is still being written (a fact of this rank only)."""
         return self.pending is not None and not self.pending.done()
 
     def begin(self, state: State, info: SnapshotInfo, fault: FaultHook,

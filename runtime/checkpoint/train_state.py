@@ -100,9 +100,19 @@ def first_rank_keys(objects: dict[str, Any]) -> frozenset[str]:
     forward replaces them with rank 0's, so rank 0's copy is the state and must be the one saved."""
     keys: set[str] = set()
     for name, obj in objects.items():
-        if isinstance(obj, DistributedDataParallel) and obj.will_sync_module_buffers():
+        ddp = _ddp_in(obj)
+        if ddp is not None and ddp.will_sync_module_buffers():
             keys.update(f"{name}.{buffer}" for buffer, _ in unwrap(obj).named_buffers())
     return frozenset(keys)
+
+
+def _ddp_in(obj: Any) -> DistributedDataParallel | None:
+    """The DDP wrapper of ``obj``, also under ``torch.compile`` (``torch.compile(DDP(model))``: its ``_orig_mod``)."""
+    while isinstance(obj, torch.nn.Module):
+        if isinstance(obj, DistributedDataParallel):
+            return obj
+        obj = getattr(obj, "_orig_mod", None)
+    return None
 
 
 def tied(tensors: dict[str, torch.Tensor]) -> dict[str, str]:

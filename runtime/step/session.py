@@ -135,9 +135,6 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
                 obj.before_batch = self._boundary
             if name == "optimizer" and isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(self._note_lr)
-            if isinstance(obj, torch.optim.Optimizer):
-                self.saver.guard(obj)
-                self.memory.guard(obj)
             self.objects[name] = obj
         self._loaders = [obj for obj in self.objects.values() if isinstance(obj, DataLoader)]
 

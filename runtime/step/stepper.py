@@ -110,10 +110,9 @@ def _zero_fraction(parameters: list[torch.Tensor]) -> float:
 
     Counted on each rank's own elements (a DTensor gradient's local shard: FSDP2 holds a shard, and its
     ``numel()`` is the global size), in one device tensor read once, then summed over ranks in one
-    reduction (replicated DDP gradients count on every rank alike: the fraction is the same)."""
+    reduction (replicated DDP gradients count on every rank alike: the fraction is the same). A rank without
+    gradients still joins the reduction: the others wait in it."""
     grads = [local(p.grad) for p in parameters if p.grad is not None]
-    if not grads:
-        return 0.0
     nonzero = int(torch.stack([torch.count_nonzero(g) for g in grads]).sum()) if any(g.numel() for g in grads) else 0
     total = sum(g.numel() for g in grads)
     nonzero_all, total_all = collectives.all_reduce_sum([float(nonzero), float(total)])
