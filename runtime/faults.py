@@ -66,6 +66,22 @@ def parse_faults(spec: str | None) -> list[Fault]:
     return [_parse_one(part.strip()) for part in spec.split(";") if part.strip()]
 
 
+def pending(spec: str | None, from_attempt: int, world: int | None) -> tuple[str | None, dict[str, str]]:
+    """Of a stored spec (a resume's, whose first attempt is ``from_attempt`` on ``world`` ranks): the parts that
+    can still fire, joined again (None: none), and each part that cannot, with why."""
+    kept: list[str] = []
+    spent: dict[str, str] = {}
+    for part in (p.strip() for p in (spec or "").split(";") if p.strip()):
+        fault = _parse_one(part)
+        if fault.attempt is not None and fault.attempt < from_attempt:
+            spent[part] = f"it fires on attempt {fault.attempt} only"
+        elif world is not None and fault.rank is not None and fault.rank >= world:
+            spent[part] = f"rank {fault.rank} is not among the {world} ranks"
+        else:
+            kept.append(part)
+    return (";".join(kept) or None), spent
+
+
 def _parse_one(text: str) -> Fault:
     kind, *pairs = text.split(":")
     if kind not in KINDS:

@@ -15,6 +15,7 @@ from ckptrun.cli.commands.launch import split_target
 from ckptrun.cli.errors import CkptrunError
 from ckptrun.cli.supervision.rundir import RunLock, RunPaths, latest_run
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, write_run_record
+from ckptrun.runtime import records
 
 CLI = [sys.executable, "-m", "ckptrun.cli.main"]
 
@@ -124,6 +125,31 @@ def test_resume_and_stop_pick_the_most_recent_run(tmp_path: Path) -> None:
     result = cli("stop", cwd=tmp_path)
     assert result.returncode == 2 and "no supervisor is running runs/new" in result.stderr
     assert not (new / "stop").exists()
+
+
+def _failed_run_with_a_fault(tmp_path: Path) -> Path:
+    """A kill demo's run: two ranks, ``kill:rank=1:step=12`` stored, attempt 1 over (no snapshot here)."""
+    run_dir = tmp_path / "runs" / "demo"
+    run_dir.mkdir(parents=True)
+    spec = LaunchSpec(run_dir=run_dir, nproc_per_node="2", inject_fault="kill:rank=1:step=12", script_args=["--steps", "9"])
+    write_run_record(run_dir, RunRecord(run_id="demo", spec=spec))
+    records.log_event(run_dir, "attempt_start", attempt=1)
+    return run_dir
+
+
+def test_a_stored_fault_that_can_no_longer_fire_does_not_block_a_resume_on_fewer_ranks(tmp_path: Path) -> None:
+    """It is dropped in one line; a fault given on this resume that names a missing rank is still refused.
+    (Both end at "no verified snapshot": the spec, its refusals and the command line come before it.)"""
+    _failed_run_with_a_fault(tmp_path)
+    resumed = cli("resume", "--latest", "--nproc-per-node", "1", "--allow-reshard", "--", "--lr", "1e-3", cwd=tmp_path)
+    assert resumed.returncode == 2 and "no verified snapshot" in resumed.stderr, resumed.stderr
+    assert ("ckptrun: dropping the stored --inject-fault that can no longer fire on this resume (attempt 2 on): "
+            "kill:rank=1:step=12 (it fires on attempt 1 only)") in resumed.stderr.splitlines()
+    assert "ckptrun: resuming the default job --steps 9 --lr 1e-3" in resumed.stderr  # the stored arguments kept
+    explicit = cli("resume", "--latest", "--nproc-per-node", "1", "--allow-reshard", "--inject-fault",
+                   "kill:rank=1:step=20:attempt=2", cwd=tmp_path)
+    assert explicit.returncode == 2 and "--inject-fault names rank 1, but the world has ranks 0..0" in explicit.stderr
+    assert "dropping the stored" not in explicit.stderr and "Traceback" not in explicit.stderr
 
 
 def test_resume_outside_a_run_exits_2(tmp_path: Path) -> None:

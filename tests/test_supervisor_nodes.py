@@ -16,6 +16,8 @@ from launch_helpers import wait_for
 from supervisor_helpers import T0, ScriptedNodeWorld, node_supervisor, training
 
 from ckptrun.cli.supervision.job_store import JobStore
+from ckptrun.cli.supervision.failures import RankFailure
+from ckptrun.cli.supervision.node_world import post_failure
 from ckptrun.cli.supervision.observation import Observation, Outcome, RankView, Snapshot
 
 SNAP15 = Snapshot(Path("/ckpt/step-000000015"), 15, verify_s=0.1)
@@ -68,6 +70,28 @@ def test_the_leader_gives_up_when_a_lost_node_does_not_rejoin() -> None:
     assert gave_up["exit_code"] == 1
     verdict = leader.verdict()
     assert verdict is not None and (verdict["action"], verdict["code"]) == ("gave_up", 1)
+
+
+def test_every_line_names_the_root_cause_the_job_agreed_on_not_the_leaders_collateral_error() -> None:
+    """Node 1's rank 3 was SIGKILLed; the leader's rank 0 saw only gloo's connection error: the printed
+    line, the event and the final message name node 1's rank and the signal first, the collateral after."""
+    leader, follower = stores("run-root")
+    follower.join(1)
+    follower.ack_teardown(1, 1)
+    follower.ack_teardown("end", 1, code=1)
+    post_failure(follower, 1, 1, {"cause": "crash", "rank": 3, "signal": "SIGKILL", "exit_code": -9, "step": 17})
+    collateral = RankFailure(rank=0, exit_code=1, time=T0 + 5,
+                             exception="RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:29500")
+    world = ScriptedNodeWorld({1: [training(T0 + 4, 16), crashed(T0 + 5, 17)]},
+                              failures_by_attempt={1: [collateral]}, job=leader)
+    outcome = node_supervisor(world, max_restarts=0).supervise()
+    [line] = [said for said in world.said if said.startswith("attempt 1 failed:")]
+    assert line.startswith("attempt 1 failed: node 1, rank 3 was killed by SIGKILL"), line
+    assert "here: rank 0: RuntimeError: [gloo] Connection closed by peer" in line, line
+    [failure] = world.events("failure")
+    root = failure["root_cause"]
+    assert (root["node"], root["rank"], root["signal"]) == (1, 3, "SIGKILL"), failure
+    assert outcome.code == 1 and "node 1, rank 3 was killed by SIGKILL" in outcome.message, outcome
 
 
 def _follow(leader: JobStore, follower: JobStore, after_crash: Any) -> tuple[ScriptedNodeWorld, Outcome]:

@@ -22,12 +22,12 @@ from ckptrun.cli.errors import EXIT_NO, EXIT_OK, EXIT_REFUSED, CkptrunError, com
 from ckptrun.cli.recovery_budget import rto_launch
 from ckptrun.cli.store_location import redact_argv, resume_options
 from ckptrun.cli.supervision.rundir import RunPaths, alive, holder, node_holders
-from ckptrun.cli.supervision.runner import resume_run, start_run
+from ckptrun.cli.supervision.runner import next_attempt, resume_run, start_run
 from ckptrun.cli.supervision.node_env import node_fields, node_settings, resume_settings
 from ckptrun.cli.supervision.memory_tier import refuse_unsupported
 from ckptrun.cli.supervision import script_args
 from ckptrun.cli.supervision.spec import RENAMED, LaunchSpec, build_spec, read_run_record
-from ckptrun.runtime import records
+from ckptrun.runtime import faults, records
 
 # Options end at the first word that is not one (SCRIPT) or at `--`; an unknown option before that is a typo,
 # refused by click with a did-you-mean (rendered by ckptrun.cli.main), never handed to a job.
@@ -165,7 +165,7 @@ def resume(
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="Many nodes: this node's rank (or PET_NODE_RANK, SLURM_NODEID); run resume on every node.", show_default=False),
     storage_option: Optional[list[str]] = typer.Option(None, "--storage-option", metavar="KEY=VALUE", help="fsspec option of the run's object store, over the stored ones (repeatable); credentials are never stored, so pass them again.", show_default=False),
     replace_args: bool = typer.Option(False, "--replace-args", help="The arguments after -- replace all the stored ones (default: each overrides the stored option of its name)."),
-    inject_fault: Optional[str] = typer.Option(None, "--inject-fault", help="Fault spec of this resume, over the stored one; none drops it.", show_default=False),
+    inject_fault: Optional[str] = typer.Option(None, "--inject-fault", help="Fault spec of this resume, over the stored one (a stored fault that can no longer fire is dropped); none drops it.", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> int:
     """Continue a stopped, failed or preempted run from its newest verified snapshot, with its run.json spec.
@@ -173,11 +173,11 @@ def resume(
     Arguments after -- override the stored options of the same name and keep the rest (--replace-args:
     replace them all); a config key that changes must be allowed. The effective command line is printed.
     """
-    positional, script_args = positional_run_dir(list(ctx.args), sys.argv)
+    positional, new_args = positional_run_dir(list(ctx.args), sys.argv)
     if latest and source:
         raise CkptrunError("--latest and --from contradict each other", "pass one of them")
     overrides: dict[str, Any] = {"max_restarts": max_restarts, "allow_changes": allow_change,
-                                 "script_args": script_args or None, "allow_reshard": allow_reshard or None}
+                                 "script_args": new_args or None, "allow_reshard": allow_reshard or None}
     if nproc_per_node is not None:
         overrides["nproc_per_node"] = build_spec({"nproc_per_node": nproc_per_node}).nproc_per_node
     if time_limit is not None:
@@ -188,10 +188,12 @@ def resume(
         build_spec({"max_restarts": max_restarts})
     run_dir = chosen_run(positional, run_dir)
     spec = read_run_record(run_dir).spec
-    if ctx.args and not replace_args:
-        overrides["script_args"] = script_args.merge(spec.script_args, list(ctx.args))
+    if new_args and not replace_args:
+        overrides["script_args"] = script_args.merge(spec.script_args, new_args)
     if inject_fault is not None:  # `none`: the stored fault (a demo's kill) is not fired again
         overrides["inject_fault"] = "" if inject_fault.strip().lower() == "none" else build_spec({"inject_fault": inject_fault}).inject_fault
+    elif spec.inject_fault:  # the stored one: what can still fire (a kill demo's attempt-1 kill cannot)
+        overrides["inject_fault"] = _pending_faults(spec, overrides.get("nproc_per_node"), next_attempt(run_dir))
     if storage_option:
         overrides["store_options"] = resume_options(spec, storage_option)
     if spec.nnodes.split(":")[-1] != "1":  # a many-node run: resume runs on every node, node rank 0 leads
@@ -202,6 +204,18 @@ def resume(
         return resume_nodes(run_dir, resume_settings(spec, node_rank, os.environ), overrides, argv=redact_argv(sys.argv),
                             as_json=as_json, estimator=rto_launch)
     return resume_run(run_dir, source, overrides, argv=redact_argv(sys.argv), as_json=as_json, estimator=rto_launch)
+
+
+def _pending_faults(spec: LaunchSpec, nproc_per_node: str | None, first_attempt: int) -> str:
+    """The stored faults a resume from ``first_attempt`` can still fire ("": none); the others are dropped,
+    said in one line, so that a kill demo's fault never blocks a resume at another world size."""
+    world = spec.model_copy(update={"nproc_per_node": nproc_per_node or spec.nproc_per_node}).world_size
+    kept, spent = faults.pending(spec.inject_fault, first_attempt, world)
+    if spent:
+        why = "; ".join(f"{part} ({reason})" for part, reason in spent.items())
+        print(f"ckptrun: dropping the stored --inject-fault that can no longer fire on this resume (attempt "
+              f"{first_attempt} on): {why}", file=sys.stderr)
+    return kept or ""
 
 
 @command

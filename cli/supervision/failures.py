@@ -136,7 +136,9 @@ def stderr_tail(log: Path | None, lines: int = TAIL_LINES) -> list[str] | None:
 
 
 def describe_failure(failure: dict[str, Any]) -> str:
-    """One line for a person: root cause first."""
+    """One line for a person: root cause first (another node's, when the job agreed on one; then this one's)."""
+    if failure.get("root_cause"):
+        return describe_root(failure["root_cause"]) + (f"; here: {failure['collateral']}" if failure.get("collateral") else "")
     if failure.get("cause") == "hang":
         return (f"ranks {failure.get('stale_ranks')} stopped making progress (suspect: rank {failure.get('suspect')}, "
                 f"phase {failure.get('phase')}, step {failure.get('step')})")
@@ -144,3 +146,16 @@ def describe_failure(failure: dict[str, Any]) -> str:
                         exception=failure.get("exception"))
     step = failure.get("step")
     return facts.describe() + (f" (last step {step})" if step is not None else "")
+
+
+def describe_root(root: dict[str, Any]) -> str:
+    """The job's first failure (as :meth:`JobStore.report_failure` recorded it), named by its node."""
+    node, cause = f"node {root.get('node')}", root.get("cause")
+    if cause == "hang":
+        return f"{node}: ranks {root.get('ranks')} stopped making progress (suspect: rank {root.get('rank')})"
+    if cause == "node lost":
+        return f"{node} was lost ({root.get('detail') or 'its supervisor stopped beating'})"
+    facts = RankFailure(rank=root.get("rank"), exit_code=root.get("exit_code"), signal=root.get("signal"),
+                        exception=root.get("exception"))
+    step = root.get("step")
+    return f"{node}, {facts.describe()}" + (f" (last step {step})" if step is not None else "")

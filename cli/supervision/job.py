@@ -36,6 +36,11 @@ class Job(Protocol):
         """The first attempt this node runs (a follower: the leader's), or how the job ended before it."""
         ...
 
+    def root_cause(self, watch: AttemptWatch) -> dict[str, Any] | None:
+        """The failure the job agreed on for the failed attempt when another node saw it first (this node's
+        is then collateral: a peer's connection error, a teardown); None when this node's is the root cause."""
+        ...
+
     def torn_down(self, watch: AttemptWatch) -> None:
         """This node's ranks of a failed attempt are gone."""
         ...
@@ -68,6 +73,9 @@ class OneNode:
 
     def start(self, attempt: int, resume: Snapshot | None) -> Next | Outcome:
         return attempt, resume
+
+    def root_cause(self, watch: AttemptWatch) -> dict[str, Any] | None:
+        return None
 
     def torn_down(self, watch: AttemptWatch) -> None:
         pass

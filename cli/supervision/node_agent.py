@@ -28,7 +28,7 @@ from ckptrun.cli.errors import EXIT_NO, EXIT_REQUEUE
 from ckptrun.cli.supervision.job import Next
 from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
 from ckptrun.cli.supervision.node_verify import answer
-from ckptrun.cli.supervision.node_world import LEADER_LOST_S, LeaderLost, NodeWorld
+from ckptrun.cli.supervision.node_world import LEADER_LOST_S, LeaderLost, NodeWorld, post_failure
 from ckptrun.cli.supervision.observation import AttemptWatch, Outcome, Snapshot, StopControl
 from ckptrun.cli.supervision.policy import GiveUp, Timeouts
 
@@ -66,6 +66,12 @@ class NodeJob:
         return self.world.settings.leader
 
     leads = leader
+
+    def root_cause(self, watch: AttemptWatch) -> dict[str, Any] | None:
+        """Post this node's failure (a peer's connection error first waits for the node where the rank died);
+        the job's first one, when another node's."""
+        first = post_failure(self.job, watch.attempt, self.world.node, watch.failure or {})
+        return first if first is not None and first.get("node") != self.world.node else None
 
     def torn_down(self, watch: AttemptWatch) -> None:
         self._call(self.job.ack_teardown, watch.attempt, self.world.node, teardown_s=watch.teardown_s)

@@ -205,16 +205,26 @@ class NodeWorld(LocalWorld):
         records.log_event(self.paths.root, name, writer_node=writer, **{"node": self.node, **fields})  # a node in fields: the subject
 
     def _post_failure(self, fields: dict[str, Any]) -> dict[str, Any] | None:
-        ranks = fields.get("stale_ranks") or ([fields["rank"]] if fields.get("rank") is not None else [])
-        try:
-            return self.job.report_failure(self.attempt, self.node, ranks, str(fields.get("cause")),
-                                           yield_s=PEER_ERROR_WAIT_S if peer_error(fields) else 0.0,
-                                           rank=fields.get("rank"), step=fields.get("step"),
-                                           detected_at=fields.get("detected_at"), detect_s=fields.get("detect_s"))
-        except StoreUnreachable:
-            return None
+        return post_failure(self.job, self.attempt, self.node, fields)
 
 
+def post_failure(job: JobStore, attempt: int, node: int, fields: dict[str, Any]) -> dict[str, Any] | None:
+    """Report this node's failure of ``attempt`` to the job (how the rank died too, so that every node can
+    name it); returns the job's first one, the root cause (None when the store is unreachable)."""
+    ranks = fields.get("stale_ranks") or ([fields["rank"]] if fields.get("rank") is not None else [])
+    how = {k: fields.get(k) for k in ("signal", "exit_code") if fields.get(k) is not None}
+    if fields.get("exception"):
+        how["exception"] = str(fields["exception"])[:EXCEPTION_CHARS]
+    try:
+        return job.report_failure(attempt, node, ranks, str(fields.get("cause")),
+                                  yield_s=PEER_ERROR_WAIT_S if peer_error(fields) else 0.0,
+                                  rank=fields.get("rank"), step=fields.get("step"), detected_at=fields.get("detected_at"),
+                                  detect_s=fields.get("detect_s"), **how)
+    except StoreUnreachable:
+        return None
+
+
+EXCEPTION_CHARS = 500  # of a rank's exception, in the job's store (the event has it all)
 PEER_ERROR_WAIT_S = 5.0  # how long a node that saw only a peer's connection error waits for the real root cause
 PEER_ERRORS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
 

@@ -308,6 +308,8 @@ class Supervisor(Endings):
         life = failure.get("last_sign_of_life")
         detect_s = (watch.detected_at - life) if (watch.detected_at and life) else None
         failure.update(attempt=watch.attempt, detected_at=watch.detected_at, detect_s=detect_s)
+        if (root := self.job.root_cause(watch)) is not None:  # many nodes: another node's may have come first
+            failure.update(collateral=describe_failure(failure), root_cause=root)
         self.world.event("failure", **failure)
         self.world.say(f"attempt {watch.attempt} failed: {describe_failure(failure)}")
 
