@@ -173,11 +173,11 @@ def resume(
     Arguments after -- override the stored options of the same name and keep the rest (--replace-args:
     replace them all); a config key that changes must be allowed. The effective command line is printed.
     """
-    positional, script_args = positional_run_dir(list(ctx.args), sys.argv)
+    positional, new_args = positional_run_dir(list(ctx.args), sys.argv)
     if latest and source:
         raise CkptrunError("--latest and --from contradict each other", "pass one of them")
     overrides: dict[str, Any] = {"max_restarts": max_restarts, "allow_changes": allow_change,
-                                 "script_args": script_args or None, "allow_reshard": allow_reshard or None}
+                                 "script_args": new_args or None, "allow_reshard": allow_reshard or None}
     if nproc_per_node is not None:
         overrides["nproc_per_node"] = build_spec({"nproc_per_node": nproc_per_node}).nproc_per_node
     if time_limit is not None:
@@ -188,8 +188,8 @@ def resume(
         build_spec({"max_restarts": max_restarts})
     run_dir = chosen_run(positional, run_dir)
     spec = read_run_record(run_dir).spec
-    if ctx.args and not replace_args:
-        overrides["script_args"] = script_args.merge(spec.script_args, list(ctx.args))
+    if new_args and not replace_args:  # the words after `--`, not the positional RUN_DIR
+        overrides["script_args"] = script_args.merge(spec.script_args, new_args)
     if inject_fault is not None:  # `none`: the stored fault (a demo's kill) is not fired again
         overrides["inject_fault"] = "" if inject_fault.strip().lower() == "none" else build_spec({"inject_fault": inject_fault}).inject_fault
     if storage_option:
