@@ -188,7 +188,7 @@ def resume(
         build_spec({"max_restarts": max_restarts})
     run_dir = chosen_run(positional, run_dir)
     spec = read_run_record(run_dir).spec
-    if new_args and not replace_args:  # the words after `--`, not the positional RUN_DIR
+    if new_args and not replace_args:
         overrides["script_args"] = script_args.merge(spec.script_args, new_args)
     if inject_fault is not None:  # `none`: the stored fault (a demo's kill) is not fired again
         overrides["inject_fault"] = "" if inject_fault.strip().lower() == "none" else build_spec({"inject_fault": inject_fault}).inject_fault
