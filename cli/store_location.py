@@ -197,6 +197,17 @@ def store_at(where: Path | StoreUrl, items: list[str] | None = None) -> FsspecSt
     return remote
 
 
+def cache_of_run(run_dir: Path) -> Path | None:
+    """Where a command that reads a store run downloads its snapshot: the run's ``--local-cache`` (a restore tier,
+    as a restart would use it), else None (a temporary directory): ``RUN_DIR/staging`` holds a snapshot only
+    while it uploads, and a run dir gets no ``checkpoints/`` of a command's making."""
+    try:
+        cache = json.loads((run_dir / "run.json").read_text())["spec"].get("cache_dir")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return Path(cache) if cache else None
+
+
 def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], None] = lambda _: None) -> Any:
     """The restore a restart would do (:func:`ckptrun.runtime.checkpoint.tiering.choose`) into ``cache`` (None: a
     temporary directory); exit 1 when no snapshot of the line verifies, 2 when the store cannot be listed."""

@@ -396,3 +396,67 @@ def test_a_plain_scripts_start_up_does_not_show_the_runtimes_cadence(tmp_path: P
         "not import it; without it, a restart resumes from the script's own files)")
     for script in (tmp_path / "adopted.py", None):  # None: the embedded default job
         assert snapshot_line(LaunchSpec(script=script, save_every_steps=5)) == "snapshots: every 5 steps"
+
+
+# --- item 5: the global batch is what an optimizer step consumed -------------------------------------
+
+
+def _accumulating_run(run_dir: Path, steps: int, by_hand: int) -> tuple[int, int, list[dict]]:
+    """One in-process run of a tiny model over a tracked ckr.DataLoader (4 samples per batch), restoring its
+    run dir's snapshot: ``by_hand`` 0 steps through ``run.batches`` (one batch per step), else the script's own
+    loop takes ``by_hand`` batches and calls backward on each before one optimizer step. Returns the global
+    step it restored, the global batch its final snapshot's cursor recorded, and its ``global_batch_changed`` events."""
+    import torch
+
+    import ckptrun.runtime as ckr
+    from ckptrun.runtime.env import RunEnv
+    from ckptrun.runtime.records import read_events
+    from ckptrun.runtime.step.precision import Policy, resolve
+    from ckptrun.runtime.step.session import Run
+    from ckptrun.runtime.storage import store
+
+    env = RunEnv(run_id="accumulation", run_dir=run_dir, precision="fp32", async_save=False, save_every_steps=2)
+    run = Run(env, {}, Policy(resolve("fp32")))
+    run.lineage = store.ensure_lineage(run.ckpt_dir, env.run_id).current  # as ckr.init does on rank 0
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 3), torch.randn(64, 1))
+    loader = ckr.DataLoader(data, batch_size=4, shuffle=False)
+    run.track(model=model, optimizer=optimizer, loader=loader)
+    start = run.restore()
+
+    def backward(batch: list) -> float:
+        loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+        loss.backward()
+        return float(loss.detach())
+
+    if not by_hand:
+        for batch in run.batches(loader, steps=steps):
+            backward(batch)
+            optimizer.step()
+            optimizer.zero_grad()
+            run.end_step(0.0)
+    else:
+        batches = iter(loader)
+        while run.step < steps:
+            for _ in range(by_hand):  # the script's own accumulation: k batches, k backwards, one step
+                backward(next(batches))
+            optimizer.step()
+            optimizer.zero_grad()
+            run.end_step(0.0)
+    run.finish()
+    return start, loader.state_dict()["global_batch"], read_events(run_dir, "global_batch_changed")
+
+
+def test_the_global_batch_is_what_a_step_consumed_however_the_script_accumulates(tmp_path: Path, capfd) -> None:
+    assert _accumulating_run(tmp_path / "plain", steps=2, by_hand=0) == (0, 4, [])
+    by_hand = _accumulating_run(tmp_path / "by-hand", steps=2, by_hand=2)
+    assert by_hand == (0, 8, []), "two micro-batches per optimizer step: the recorded global batch doubles"
+    resumed = _accumulating_run(tmp_path / "by-hand", steps=4, by_hand=2)
+    assert resumed == (2, 8, []), "a resume that consumes what the snapshot recorded is no change"
+    assert "global batch changed" not in capfd.readouterr().err
+    start, halved, changed = _accumulating_run(tmp_path / "by-hand", steps=6, by_hand=1)
+    assert (start, halved) == (4, 4)
+    assert [(e["old_global_batch"], e["new_global_batch"], e["step"]) for e in changed] == [(8, 4, 4)]
+    assert "the global batch changed from 8 to 4 samples per optimizer step at step 4" in capfd.readouterr().err

@@ -281,6 +281,22 @@ def test_an_unreachable_store_fails_the_save_and_training_goes_on(tmp_path, s3):
     assert not list((run_dir / "staging").glob("step-*")), "a local copy the store does not hold is not kept"
 
 
+@pytest.mark.timeout(180)
+def test_a_restart_from_the_final_snapshot_leaves_no_snapshot_in_staging(tmp_path, s3):
+    """Staging holds a snapshot only while it uploads: a restart's download that is never saved again (the
+    run restarts from its final snapshot, nothing left to train) is removed when the run ends; lineage.json stays."""
+    run_dir, url = tmp_path / "run", f"s3://{s3.new_bucket()}/ckpt"
+    first = job(run_dir, url, steps=10)
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in (run_dir / "staging").iterdir()) == ["lineage.json"]
+    again = job(run_dir, url, steps=10, attempt=2)
+    assert again.returncode == 0, again.stderr
+    source = read_events(run_dir, "restore_source")[-1]
+    assert (source["source"], source["step"]) == (REMOTE, 10), "downloaded into staging; nothing to train, no save"
+    assert sorted(p.name for p in (run_dir / "staging").iterdir()) == ["lineage.json"]
+    assert committed(url) == [5, 10]
+
+
 # --- the commands, end to end ----------------------------------------------------------------
 
 
@@ -310,12 +326,16 @@ def test_launch_on_s3_recovers_from_the_store_and_every_command_takes_the_url(tm
                                 capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["snapshot"]["path"].startswith(url + "/step-000000012-")
-        estimate = cli("estimate-rto", url, "--json")
+        staging = sorted(p.name for p in (run_dir / "staging").iterdir())
+        assert staging == ["lineage.json"], "no snapshot stays in staging: every upload's commit removes its own"
+        estimate = cli("estimate-rto", str(run_dir), "--json", cwd=tmp_path)  # its store (a URL: test_messages_cli)
         assert estimate.returncode == 0, estimate.stderr
         assert json.loads(estimate.stdout)["components"]["verify"]["source_of_restore"] == REMOTE
-        for source in (url, str(run_dir)):  # the store's newest, downloaded; the run's, from its staging dir
+        for source in (url, str(run_dir)):  # the store's newest, downloaded (a run dir: its store) to a temporary dir
             exported = cli("export", source, "-o", str(tmp_path / "model.pt"))
             assert exported.returncode == 0 and (tmp_path / "model.pt").stat().st_size > 0, exported.stderr
+        assert sorted(p.name for p in (run_dir / "staging").iterdir()) == staging and not (run_dir / "checkpoints").exists(), \
+            "reading the run leaves no copy in its dir"
         from ckptrun.cli.supervision.runner import _newest
         from ckptrun.cli.supervision.spec import build_spec
 

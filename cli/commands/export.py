@@ -99,7 +99,7 @@ def verified_snapshot(given: str | Path, storage_option: list[str] | None = None
     path = store_location.location(given)
     remote = store_location.store_at(path, storage_option)
     if remote is not None:
-        cache = checkpoint_dir(path) if isinstance(path, Path) else None
+        cache = store_location.cache_of_run(path) if isinstance(path, Path) else None
         choice = store_location.fetch_newest(remote, cache, store_location.say)
         return SnapshotReport(choice.path, choice.step, OK, manifest=read_manifest(choice.path))
     if not path.is_dir():

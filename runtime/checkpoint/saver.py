@@ -35,7 +35,7 @@ import torch
 from ckptrun.runtime import collectives, hashing
 from ckptrun.runtime.checkpoint import pacing
 from ckptrun.runtime.storage import store
-from ckptrun.runtime.checkpoint.remote_publish import upload
+from ckptrun.runtime.checkpoint.remote_publish import evict_staging, upload
 from ckptrun.runtime.checkpoint.replicas import compare, digests
 from ckptrun.runtime.storage.remote_store import FsspecStore
 from ckptrun.runtime.checkpoint.save_plan import OwnedKeys
@@ -219,6 +219,16 @@ class Saver:
             return problem
         problems = [p for p in collectives.all_gather_object(problem, group=self.group) if p]
         return problems[0] if problems else None
+
+    def empty_staging(self) -> None:
+        """A store run without ``--local-cache``, at its end (every rank, no save in flight): rank 0 removes every
+        local snapshot once all ranks are done reading. Each upload's commit removes its own, but a restart's
+        download that is not saved again (a restart from the final snapshot) would stay; the store holds it."""
+        if self.remote is None or self.keep_local:
+            return
+        collectives.barrier(group=self.group)  # a peer may still be reading the restored copy
+        if collectives.rank() == 0:
+            evict_staging(self.ckpt_dir)
 
     def close(self) -> None:
         if self.pool is not None:

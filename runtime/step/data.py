@@ -82,8 +82,10 @@ class DataLoader(torch.utils.data.DataLoader):
         self.epoch = 0
         self.consumed = 0  # global samples consumed in this epoch
         self.samples_seen = 0  # global samples consumed since the start
-        self.global_batch = self.micro_samples  # samples one optimizer step consumes (run.batches sets it)
+        self.global_batch = self.micro_samples  # the unit an epoch is cut into (run.batches sets it)
+        self.step_samples: int | None = None  # global samples the last optimizer step consumed (seen at commit)
         self.saved_global_batch: int | None = None  # the restored cursor's, to report a change
+        self._seen_at_commit = 0  # samples_seen when the last step ended
         self.before_batch: Callable[[], None] | None = None  # the run's step boundary (a pending stop acts here)
         self._cursors: list[weakref.ref[_Cursor]] = []  # the live iterators (a list: commit reads it every step)
 
@@ -110,7 +112,11 @@ class DataLoader(torch.utils.data.DataLoader):
         return cursor
 
     def commit(self) -> None:
-        """A step consumed what the loop was handed: the position moves to the furthest live iterator of this epoch."""
+        """A step consumed what the loop was handed: the position moves to the furthest live iterator of this epoch.
+
+        What it consumed since the last step ended, across micro-batches and iterators (however the script
+        accumulates: ``run.batches(..., accumulate=k)`` or its own loop of k batches per optimizer step), is
+        the global batch the run really trains with (:attr:`step_samples`), recorded in the cursor."""
         furthest = self.consumed
         for ref in self._cursors:
             cursor = ref()
@@ -119,6 +125,9 @@ class DataLoader(torch.utils.data.DataLoader):
         if furthest > self.consumed:
             self.samples_seen += furthest - self.consumed
             self.consumed = furthest
+        taken, self._seen_at_commit = self.samples_seen - self._seen_at_commit, self.samples_seen
+        if taken > 0:
+            self.step_samples = taken
 
     def _epoch_done(self, cursor: _Cursor) -> None:
         """The loop asked past the last batch: everything was consumed, the next iterator starts the next epoch."""
@@ -129,13 +138,14 @@ class DataLoader(torch.utils.data.DataLoader):
     def state_dict(self) -> dict[str, int]:
         """The global cursor: no per-rank part, so it loads at any world size."""
         return {"epoch": self.epoch, "samples_consumed": self.consumed, "seed": self.sampler.seed,
-                "global_batch": self.global_batch, "samples_seen": self.samples_seen}
+                "global_batch": self.step_samples or self.global_batch, "samples_seen": self.samples_seen}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if "samples_consumed" not in state:  # a per-rank position from before the global cursor
             raise ValueError("this snapshot's data position is per rank (written before the global cursor); "
                              "resume it with the ckptrun version that wrote it")
         self.epoch, self.consumed, self.samples_seen = state["epoch"], state["samples_consumed"], state["samples_seen"]
+        self._seen_at_commit = self.samples_seen
         self.sampler.seed = state["seed"]  # the position is a place in that seed's permutations
         self.saved_global_batch = state["global_batch"]
 

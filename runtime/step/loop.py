@@ -20,7 +20,6 @@ import gc
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from ckptrun.runtime.step.preflight import probe_of
-from ckptrun.runtime.step.reshard import note_global_batch
 
 
 class LoopShapes:
@@ -81,15 +80,11 @@ class LoopShapes:
                              f"({micro // self.world_size} per rank × {self.world_size} ranks); pick a multiple of {micro}")
             accumulate = global_batch // micro
         if hasattr(loader, "saved_global_batch"):
-            loader.global_batch = accumulate * micro
-            note_global_batch(self, loader)
+            loader.global_batch = accumulate * micro  # the epoch's cut; the first step's end judges a change
         return accumulate
 
     def epochs(self, count: int) -> Iterator[int]:
         """Yield epoch numbers from the restored one up to ``count``; a tracked loader resumes mid-epoch by itself."""
-        loader = self.objects.get("loader")
-        if hasattr(loader, "saved_global_batch"):
-            note_global_batch(self, loader)
         while self.epoch < count or self._rolled_back_at_end():
             self._boundary(per_step=False)
             yield self.epoch

@@ -57,13 +57,15 @@ def record(run: Any, manifest: Manifest) -> None:
 
 
 def note_global_batch(run: Any, loader: Any) -> None:
-    """A restored cursor whose global batch differs from this run's: say so once (event + warning)."""
-    saved, now = loader.saved_global_batch, loader.global_batch
+    """A restored cursor whose global batch differs from what this run's first step consumed: say so once
+    (event + warning). Judged from the samples the step took (:attr:`DataLoader.step_samples`), so a
+    script that accumulates in its own loop is judged by what it trains with, not by ``run.batches``' figure."""
+    saved, now = loader.saved_global_batch, loader.step_samples or loader.global_batch
     loader.saved_global_batch = None
     if saved is None or saved == now or run.rank != 0:
         return
     records.log_event(run.run_dir, "global_batch_changed", step=run.step, old_global_batch=saved,
                       new_global_batch=now, world_size=run.world_size)
-    print(f"ckptrun: warning: the global batch changed from {saved} to {now} samples per step at step {run.step} "
-          f"(world size {run.world_size}); pass run.batches(..., global_batch={saved}) to keep it",
-          file=sys.stderr, flush=True)
+    print(f"ckptrun: warning: the global batch changed from {saved} to {now} samples per optimizer step at step "
+          f"{run.step} (world size {run.world_size}); consume {saved} samples per step to keep it "
+          f"(run.batches(..., global_batch={saved}))", file=sys.stderr, flush=True)

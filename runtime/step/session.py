@@ -236,6 +236,7 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
         if self.saved_step != self.step and self.step > 0:
             self.save()
             self._settle_saves(wait=True)
+        self.saver.empty_staging()  # staging without --local-cache ends empty, a restored copy included
 
     def _exit_quietly(self, code: int) -> None:
         """Leave after the ranks agree, without running the rest of the user's script."""

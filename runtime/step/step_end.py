@@ -23,6 +23,7 @@ import torch
 
 from ckptrun.runtime import records
 from ckptrun.runtime.step.decisions import SETTLED_FROM, WARMUP_BATCHES, Agreed, Exchange, choose_every
+from ckptrun.runtime.step.reshard import note_global_batch
 
 
 class StepEnd:
@@ -82,6 +83,8 @@ class StepEnd:
         """
         for loader in self._loaders:
             loader.commit()  # this step consumed what the loop was handed
+            if loader.saved_global_batch is not None and loader.step_samples:  # the first step since a restore
+                note_global_batch(self, loader)
         missed = self._due is not None  # no boundary since the last step: close that one after this one
         local = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         if self.faults.nan_loss(self.step):
