@@ -6,7 +6,7 @@ the same step with the same facts (so ranks never disagree):
 
 - the agreed losses (:mod:`finite_watch`): a save whose window saw a
   non-finite loss is refused; a blow-up rolls back under any ``--on-anomaly``;
-  a non-finite loss right after a restore quarantines the snapshot restored
+  a non-finite or spiking loss right after a restore quarantines the snapshot restored
   (``poisoned``) and restarts from the one before it, twice in a row stops
   (unless ``--on-anomaly rollback``: its in-process rollback answers);
 - a save due while one is in flight is skipped only when every rank's saver is
@@ -60,8 +60,9 @@ class Safeguards:
 
     # --- losses -------------------------------------------------------------------
 
-    def _watch_loss(self, step: int, loss: float) -> bool:
-        """An agreed loss; True when it poisons the snapshot just restored (then call :meth:`_blame_restored`).
+    def _watch_loss(self, step: int, loss: float, spiked: bool = False) -> bool:
+        """An agreed loss (``spiked``: the anomaly detector flagged it); True when it poisons the snapshot just
+        restored (then call :meth:`_blame_restored`).
         Under ``--on-anomaly rollback`` the in-process rollback (data window skipped, LR lowered) answers it
         instead, bounded by ``--max-rollbacks``."""
         if self.finite.observe(step, loss):  # the run's first: every rank is here, so it may wait for the save in
@@ -70,7 +71,7 @@ class Safeguards:
                 self.last_good = self.parent
                 records.log_event(self.run_dir, "nonfinite_loss", step=step, loss=str(loss), attempt=self.env.attempt,
                                   last_good=self.last_good)
-        return self.finite.poisoned() and self.env.on_anomaly != "rollback"
+        return self.finite.poisoned(spiked) and self.env.on_anomaly != "rollback"
 
     def _blowup_policy(self, policy: str) -> str:
         """``warn`` for spikes; a loss non-finite K steps in a row rolls back all the same."""
@@ -81,13 +82,13 @@ class Safeguards:
         self.finite.restored_step = step
         self.published_step = step
 
-    def _blame_restored(self, step: int, loss: float) -> None:
+    def _blame_restored(self, step: int, loss: float, why: str | None = None) -> None:
         """Quarantine the snapshot restored (``poisoned``) and leave: exit 1, so that the restart takes the one
         before it; a second poisoned restore in a row is exit 4, naming both."""
         path, restored = self.restored_from, self.finite.restored_step
         if path is None or restored is None:
             return
-        reason = f"loss {loss} at step {step}, {step - restored} step(s) after restoring it"
+        reason = f"{why or f'loss {loss}'} at step {step}, {step - restored} step(s) after restoring it"
         previous = self._poisoned_last_attempt() if self.rank == 0 else None
         if self.rank == 0:
             moved = store.quarantine(path, "poisoned", reason, step=step, loss=str(loss))

@@ -55,8 +55,8 @@ class StepEnd:
         def _stop(self) -> None: ...
         def save(self) -> None: ...
         def _memory_save(self) -> None: ...
-        def _watch_loss(self, step: int, loss: float) -> bool: ...
-        def _blame_restored(self, step: int, loss: float) -> None: ...
+        def _watch_loss(self, step: int, loss: float, spiked: bool = ...) -> bool: ...
+        def _blame_restored(self, step: int, loss: float, why: str | None = ...) -> None: ...
 
     def _start_step_end(self, world_size: int) -> None:
         """Called once by ``Run.__init__``."""
@@ -143,10 +143,10 @@ class StepEnd:
         for facts in agreed.steps:
             if facts.record is not None:
                 lines.append(self._line(facts))
-            if not facts.skipped and self._watch_loss(facts.step, facts.loss):  # poison right after a restore
-                self.metrics_log.append_many(lines)
-                self._blame_restored(facts.step, facts.loss)
-            anomaly = None if facts.skipped else self.anomalies.check(facts.loss)
+            anomaly = None if facts.skipped else self.anomalies.check(facts.loss)  # judged against the restored window
+            if not facts.skipped and self._watch_loss(facts.step, facts.loss, spiked=anomaly is not None):
+                self.metrics_log.append_many(lines)  # poison (non-finite or a spike) right after a restore
+                self._blame_restored(facts.step, facts.loss, anomaly)
             if anomaly is not None:
                 self.metrics_log.append_many(lines)  # the anomalous step's line first, as the steps before it
                 lines = []
