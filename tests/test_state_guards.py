@@ -6,7 +6,10 @@ Runtime scripts on real ranks (torchrun, gloo, CPU) with faults from C1; pure ch
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
+from socket import socket
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from ckptrun.runtime.step.finite_watch import FiniteWatch, limit_for
 from ckptrun.runtime.step.precision import Policy, resolve
 from ckptrun.runtime.step.session import Run
 from ckptrun.runtime.storage import store
+from launch_helpers import kill_tree
 from workers import run_job, shared_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -182,3 +186,33 @@ def test_a_spike_within_k_steps_of_a_restore_blames_it_judged_against_the_window
     assert reason is not None and reason["status"] == "poisoned" and reason["step"] == spike_at
     assert float(reason["loss"]) == 50.0
     assert store.snapshot_name(10) not in published(run_dir / "checkpoints")
+
+
+# --- --replica-check-every-steps (two gloo ranks, no torchrun) -----------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("every, caught_at", [(2, 4), ("none", 9)])
+def test_replica_check_every_n_steps_catches_a_nudged_replica_between_saves(tmp_path, every, caught_at):
+    """Rank 1's replica nudged by one ulp at step 3, a save only at the end (step 9): with
+    ``--replica-check-every-steps 2`` the ranks compare at step 4 and restart (exit 1), naming rank 1 and the
+    tensor; by default only the final save finds it (and publishes nothing)."""
+    with socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, str(FIXTURES / "replica_check_ranks.py")]
+    ranks = [subprocess.Popen([*command, str(rank), str(port), str(tmp_path), str(every), "3", "9"],
+                              start_new_session=True, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        codes = [rank.wait(timeout=150) for rank in ranks]
+        errors = [rank.stderr.read() if rank.stderr else "" for rank in ranks]
+    finally:
+        for rank in ranks:
+            kill_tree(rank.pid)
+    assert codes == [1, 1], errors
+    diverged = read_events(tmp_path, "replicas_diverged")
+    assert [(e["step"], e["ranks"], e["tensor"], e["policy"]) for e in diverged] == \
+        [(caught_at, [1], "model.weight", "restart")], diverged
+    assert diverged[0]["at"] == ("check" if every != "none" else "save")
+    assert read_events(tmp_path, "snapshot_saved") == [], "no snapshot of diverged replicas is published"
+    assert "restarting from the last snapshot whose replicas agreed" in errors[1]

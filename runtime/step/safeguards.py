@@ -11,6 +11,9 @@ the same step with the same facts (so ranks never disagree):
   (unless ``--on-anomaly rollback``: its in-process rollback answers);
 - a save due while one is in flight is skipped only when every rank's saver is
   busy, as the step exchange says (``--save-overlap skip``);
+- replicas: a save compares every rank's digests of the replicated tensors
+  (:mod:`~ckptrun.runtime.checkpoint.replicas`), and ``--replica-check-every-steps N``
+  the same every N steps between saves; a mismatch is ``replicas_diverged``;
 - ``finish``: a run whose last loss is non-finite ends with exit 4, one whose
   final snapshot did not publish with exit 1 (``resume --latest`` continues).
 """
@@ -23,6 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptrun.runtime import collectives, records
+from ckptrun.runtime.checkpoint import train_state
+from ckptrun.runtime.checkpoint.replicas import compare, digests
+from ckptrun.runtime.checkpoint.snapshot_types import SaveResult
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.step.finite_watch import FiniteWatch, limit_for
 
@@ -40,8 +46,11 @@ class Safeguards:
     restored_from: Path | None
     saver: Any
     parent: str | None
+    world_size: int
+    objects: dict[str, Any]
 
     if TYPE_CHECKING:  # provided by Run
+        def _shared_objects(self) -> dict[str, Any]: ...
         def _refuse(self, message: str, code: int = ..., fatal: bool = ...) -> None: ...
         def _exit_quietly(self, code: int) -> None: ...
         def _settle_saves(self, wait: bool = False) -> None: ...
@@ -138,7 +147,27 @@ class Safeguards:
 
     # --- replicas -----------------------------------------------------------------
 
-    def _record_divergence(self, result: Any) -> None:
+    def _check_replicas_between_saves(self) -> None:
+        """``--replica-check-every-steps N``: every rank at the close of every N-th step without a save (which
+        compares them itself) digests its replicas and the ranks compare them as a save does; a mismatch is
+        handled as at a save (``replicas_diverged``, ``--on-replica-divergence``)."""
+        every = self.env.replica_check_every_steps
+        if every is None or self.world_size < 2 or self.step % every:
+            return
+        _, tensors, _ = train_state.collect(self._shared_objects())
+        skip = train_state.first_rank_keys(self.objects)  # DDP buffers are rank 0's by design
+        diverged = compare(collectives.all_gather_object(digests({k: t for k, t in tensors.items() if k not in skip})))
+        if diverged is None:
+            return
+        result = SaveResult(False, self.step, error=diverged.describe(), refused="replicas-diverged",
+                            diverged=(diverged.tensor, diverged.ranks))
+        self._settle_saves(wait=True)  # a save in flight compared at its own step: its outcome first
+        if self.rank == 0:
+            self._record_divergence(result, at="check")
+        collectives.barrier()  # recorded before any rank leaves
+        self._act_on_divergence(result)
+
+    def _record_divergence(self, result: Any, at: str = "save") -> None:
         """Rank 0, on the writer thread as soon as the ranks compared (before any rank acts on it): the event,
         naming a rank that diverged before as the suspect device, and for ``stop`` the fatal record."""
         tensor, ranks = result.diverged
@@ -146,9 +175,10 @@ class Safeguards:
         suspects = [r for r in ranks if r in before]
         policy = self.env.on_replica_divergence
         records.log_event(self.run_dir, "replicas_diverged", step=result.step, ranks=list(ranks), tensor=tensor,
-                          attempt=self.env.attempt, policy=policy, suspect=suspects)
+                          attempt=self.env.attempt, policy=policy, suspect=suspects, at=at)
         words = f"; rank(s) {', '.join(map(str, suspects))} diverged before: suspect device" if suspects else ""
-        print(f"ckptrun: {result.error} at step {result.step}: snapshot not published (policy: {policy}){words}",
+        where = "snapshot not published" if at == "save" else "found by --replica-check-every-steps"
+        print(f"ckptrun: {result.error} at step {result.step}: {where} (policy: {policy}){words}",
               file=sys.stderr, flush=True)
         if policy == "stop":
             records.write_fatal(self.run_dir, 0, f"{result.error} at step {result.step}{words}", EXIT_UNRECOVERABLE)

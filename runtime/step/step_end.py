@@ -57,6 +57,7 @@ class StepEnd:
         def _memory_save(self) -> None: ...
         def _watch_loss(self, step: int, loss: float, spiked: bool = ...) -> bool: ...
         def _blame_restored(self, step: int, loss: float, why: str | None = ...) -> None: ...
+        def _check_replicas_between_saves(self) -> None: ...
 
     def _start_step_end(self, world_size: int) -> None:
         """Called once by ``Run.__init__``."""
@@ -187,10 +188,13 @@ class StepEnd:
             stop, self._carried = stop or self._carried[0], (False, False)
         if stop:
             self._stop()
-        if save and self.saved_step != self.step:  # the script may have called run.save() itself meanwhile
-            self.save()
+        saving = save and self.saved_step != self.step  # the script may have called run.save() itself meanwhile
+        if saving:
+            self.save()  # compares the replicas itself
         elif self.memory.due(self.step) and self.saved_step != self.step:  # due for both: the durable save only
             self._memory_save()
+        if not saving:
+            self._check_replicas_between_saves()
         if self.faults.step_fault_due(self.step):
             self._write_pending_line()  # rank 0's line; a crashing rank's own step goes in its heartbeat
             if not self.faults.hang_due(self.step):  # a hung rank stays silent, as a real one would
