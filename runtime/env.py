@@ -98,6 +98,7 @@ class RunEnv(BaseModel):
     allow_reshard: bool = Field(False, description="A snapshot written at another world size may be resumed: tensors and the data position reshard, per-rank RNG is reseeded (not bitwise exact).")
     on_anomaly: Literal["warn", "stop", "rollback"] = Field("warn", description="What a loss anomaly triggers.")
     on_replica_divergence: Literal["restart", "stop", "warn"] = Field("restart", description="Replicated tensors that differ across ranks at a save (silent data corruption): restart from the last snapshot whose replicas agreed, stop (exit 4) or warn; the snapshot is never published.")
+    replica_check_every_steps: int | None = Field(None, ge=1, description="Also compare the replicated tensors across ranks every N steps between saves, so a drifting replica is caught within N steps (default: at saves only).")
     anomaly_window: int = Field(50, ge=2, description="Steps of loss history an anomaly is judged against.")
     anomaly_sigma: float = Field(6.0, gt=0, description="A spike is a loss above mean + sigma * std of the window.")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback.")

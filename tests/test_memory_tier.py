@@ -127,6 +127,26 @@ def test_the_choice_is_an_event_and_what_it_passed_over_is_deleted(dirs: tuple[P
     assert name == "restore_source" and fields["tier"] == "memory" and fields["skipped"][0]["step"] == 14
 
 
+def test_a_memory_copy_the_ranks_quarantined_as_poisoned_is_dropped_and_the_next_tier_tried(
+        dirs: tuple[Path, Path, str]) -> None:
+    """Issue 24 item 3: the ranks blamed memory step 14 (poison right after restoring it) and moved it aside in
+    its own directory (store.quarantine, as they do); the restart takes the next tier down (memory 12, then
+    disk 10), and the poisoned copy is deleted, never quarantined into the durable directory."""
+    ckpt, memory, line = dirs
+    memory_snapshot(memory, 12, line)
+    store.quarantine(memory_snapshot(memory, 14, line), "poisoned", "loss nan at step 15", step=15, loss="nan")
+
+    def pick() -> Snapshot | None:
+        return tier.MemoryDir(memory).choose(durable(ckpt, 10), ckpt, RUN, lambda *a, **k: None, lambda line: None)
+
+    assert pick().step == 12
+    assert not any(e.step == 14 for e in store.list_entries(memory, include_abandoned=True)), "dropped"
+    store.quarantine(memory / store.snapshot_name(12), "poisoned", "loss nan at step 13")
+    chosen = pick()
+    assert (chosen.step, chosen.path) == (10, ckpt / store.snapshot_name(10))
+    assert not (ckpt / store.QUARANTINE_DIR).exists()
+
+
 def test_restarts_that_bring_memory_snapshots_are_progress() -> None:
     """Three crashes, each after new memory snapshots but no durable one: not 'no progress' (exit 4), but restarts."""
     crash = lambda t, step: [training(t, step), training(t + 1, step, agent_exit=1)]  # noqa: E731

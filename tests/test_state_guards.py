@@ -6,16 +6,23 @@ Runtime scripts on real ranks (torchrun, gloo, CPU) with faults from C1; pure ch
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
+from socket import socket
 
 import pytest
 import torch
 
 from ckptrun.runtime.checkpoint.staging import first_nonfinite
 from ckptrun.runtime.checkpoint.verify import verify_snapshot
+from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.records import final_losses, read_events
 from ckptrun.runtime.step.finite_watch import FiniteWatch, limit_for
+from ckptrun.runtime.step.precision import Policy, resolve
+from ckptrun.runtime.step.session import Run
 from ckptrun.runtime.storage import store
+from launch_helpers import kill_tree
 from workers import run_job, shared_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -130,3 +137,82 @@ def test_a_replica_nudged_by_one_ulp_is_caught_at_the_next_save_and_the_restart_
     assert sorted(got) == sorted(want) and all(got[s].hex() == want[s].hex() for s in want)
     for rank in (0, 1):
         assert (run_dir / f"final-{rank}.json").read_text() == (reference_dir / f"final-{rank}.json").read_text()
+
+
+# --- a spike right after a restore (in-process runs) -----------------------------------------
+
+
+def _spike_run(run_dir: Path, attempt: int) -> Run:
+    env = RunEnv(run_id="spike", run_dir=run_dir, precision="fp32", async_save=False, attempt=attempt,
+                 restart=attempt > 1, save_every_steps=5, decision_every_steps=1)
+    run = Run(env, {}, Policy(resolve("fp32")))
+    run.lineage = store.ensure_lineage(run.ckpt_dir, env.run_id).current  # as ckr.init does
+    torch.manual_seed(0)
+    run.track(model=torch.nn.Linear(2, 1))
+    run.restore()
+    run._exit_quietly = lambda code: (_ for _ in ()).throw(SystemExit(code))  # type: ignore[method-assign]
+    return run
+
+
+def _feed(run: Run, losses: dict[int, float], steps: int) -> None:
+    for _ in run.batches(list(range(steps)), steps=steps):
+        run.end_step(losses.get(run.step + 1, 1.0 + 0.01 * ((run.step + 1) % 3)))  # steady, a small spread
+    run.finish()
+
+
+@pytest.mark.parametrize("spike_at, blamed", [(11, True), (13, True), (14, False)])
+def test_a_spike_within_k_steps_of_a_restore_blames_it_judged_against_the_window_the_snapshot_carries(
+        tmp_path, spike_at, blamed):
+    """Snapshot 10 carries the detector's loss window: a 6-sigma spike within K=3 steps after restoring it
+    quarantines it as poisoned, exactly as a non-finite loss does; later, it is the training's own (a warning).
+    Before: the restored detector had no history, so no spike was seen for min_history steps after a restore."""
+    run_dir = tmp_path / "run"
+    _feed(_spike_run(run_dir, 1), {}, 10)
+    restored = _spike_run(run_dir, 2)
+    spiking = {spike_at: 50.0}
+    if blamed:
+        with pytest.raises(SystemExit) as stopped:
+            _feed(restored, spiking, 20)
+        assert stopped.value.code == 1, "exit 1: the restart takes the snapshot before it"
+    else:
+        _feed(restored, spiking, 20)
+    quarantined = read_events(run_dir, "snapshot_quarantined")
+    if not blamed:
+        assert quarantined == [] and [e["step"] for e in read_events(run_dir, "anomaly")] == [spike_at]
+        return
+    assert [(e["step"], e["cause"]) for e in quarantined] == [(10, "poisoned")]
+    assert "std above the mean" in quarantined[0]["reason"] and f"at step {spike_at}" in quarantined[0]["reason"]
+    reason = store.quarantine_reason(Path(quarantined[0]["moved_to"]))
+    assert reason is not None and reason["status"] == "poisoned" and reason["step"] == spike_at
+    assert float(reason["loss"]) == 50.0
+    assert store.snapshot_name(10) not in published(run_dir / "checkpoints")
+
+
+# --- --replica-check-every-steps (two gloo ranks, no torchrun) -----------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("every, caught_at", [(2, 4), ("none", 9)])
+def test_replica_check_every_n_steps_catches_a_nudged_replica_between_saves(tmp_path, every, caught_at):
+    """Rank 1's replica nudged by one ulp at step 3, a save only at the end (step 9): with
+    ``--replica-check-every-steps 2`` the ranks compare at step 4 and restart (exit 1), naming rank 1 and the
+    tensor; by default only the final save finds it (and publishes nothing)."""
+    with socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, str(FIXTURES / "replica_check_ranks.py")]
+    ranks = [subprocess.Popen([*command, str(rank), str(port), str(tmp_path), str(every), "3", "9"],
+                              start_new_session=True, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        codes = [rank.wait(timeout=150) for rank in ranks]
+        errors = [rank.stderr.read() if rank.stderr else "" for rank in ranks]
+    finally:
+        for rank in ranks:
+            kill_tree(rank.pid)
+    assert codes == [1, 1], errors
+    diverged = read_events(tmp_path, "replicas_diverged")
+    assert [(e["step"], e["ranks"], e["tensor"], e["policy"]) for e in diverged] == \
+        [(caught_at, [1], "model.weight", "restart")], diverged
+    assert diverged[0]["at"] == ("check" if every != "none" else "save")
+    assert read_events(tmp_path, "snapshot_saved") == [], "no snapshot of diverged replicas is published"
+    assert "restarting from the last snapshot whose replicas agreed" in errors[1]

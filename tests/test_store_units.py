@@ -27,6 +27,7 @@ from ckptrun.runtime.storage.ckpt_url import StoreUrl
 from ckptrun.runtime.checkpoint.policies import Retention
 from ckptrun.runtime.storage.remote_store import FsspecStore, ManifestUnreadable
 from ckptrun.runtime.checkpoint.retention import apply_remote_retention
+from ckptrun.runtime.storage import store
 from ckptrun.runtime.storage.store import snapshot_name
 from ckptrun.runtime.storage.store_backend import LocalStore
 from ckptrun.runtime.checkpoint.tiering import choose
@@ -179,6 +180,7 @@ def test_the_memory_tier_uses_the_listed_step_and_downloads_only_when_durable_wi
     world.memory, world.ckpt_dir, world.run_id = MemoryDir(memory), tmp_path / "cache", "r"
     world.event, world.say = (lambda name, **_: events.append(name)), (lambda _: None)
     world.source = SnapshotSource(world.ckpt_dir, remote, world.say, world.event, ONCE)
+    world.attempt_events = lambda name: []  # type: ignore[method-assign]  # the attempt quarantined nothing
     if memory_step > 10:
         chosen = world.restart_snapshot()
         assert isinstance(chosen, Snapshot) and chosen.step == 12  # nothing was downloaded (reads are down)
@@ -297,3 +299,23 @@ def test_a_local_store_bound_to_a_run_lists_only_that_runs_snapshots(tmp_path):
     make_snapshot(tmp_path / "ckpt", 10, run_id="run-b")
     assert [p.step for p in LocalStore(tmp_path / "ckpt", run_id="run-a").published()] == [5]
     assert [p.step for p in LocalStore(tmp_path / "ckpt").published()] == [5, 10]
+
+
+# --- issue 24 item 3: a poisoned copy is dropped and the next tier tried ----------------------------
+
+
+def test_a_snapshot_the_ranks_quarantined_as_poisoned_is_skipped_on_the_store_not_downloaded_again(tmp_path):
+    """The ranks blamed step 10 (poison right after restoring its local copy) and moved that copy away; the
+    store holds the same bytes, so the restart takes step 5, never a fresh download of 10 (which would be a
+    second poisoned restore in a row: exit 4). Before: the source chose 10 again."""
+    remote = memory_store()
+    upload(tmp_path, remote, [5, 10])
+    source = SnapshotSource(tmp_path / "cache", remote, lambda _: None, lambda *a, **k: None, ONCE)
+    restored = source.newest()
+    assert restored is not None and restored.step == 10
+    moved = store.quarantine(restored.path, "poisoned", "loss nan at step 11", step=11, loss="nan")
+    source.refuse_poisoned([{"event": "snapshot_quarantined", "cause": "unloadable", "moved_to": str(moved)}])
+    assert source.newest().step == 10, "only a poisoned one is refused on the store"
+    store.quarantine(source.newest().path, "poisoned", "loss nan at step 11")
+    source.refuse_poisoned([{"event": "snapshot_quarantined", "cause": "poisoned", "moved_to": str(moved)}])
+    assert (source.newest().step, source.newest_step()) == (5, 5)

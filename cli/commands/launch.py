@@ -92,6 +92,7 @@ def launch(
     max_failed_saves: Optional[int] = _opt("--max-failed-saves", "Consecutive failed saves that end the run (exit 1). [default: 3]", POLICY),
     on_anomaly: Optional[str] = _opt("--on-anomaly", "A non-finite or spiking loss: warn, stop (exit 4) or rollback. [default: warn]", POLICY),
     on_replica_divergence: Optional[str] = _opt("--on-replica-divergence", "Replicas that differ across ranks at a save: restart, stop (exit 4) or warn. [default: restart]", POLICY),
+    replica_check_every_steps: Optional[int] = _opt("--replica-check-every-steps", "Also compare the replicas across ranks every N steps between saves (a mismatch as at a save). [default: at saves]", POLICY),
     anomaly_sigma: Optional[float] = _opt("--anomaly-sigma", "A spike is a loss above mean + sigma·std of the window. [default: 6]", POLICY),
     max_rollbacks: Optional[int] = _opt("--max-rollbacks", "Rollbacks before an anomaly stops the run. [default: 3]", POLICY),
     inject_fault: Optional[str] = _opt("--inject-fault", "Fault spec for tests and demos, e.g. kill:rank=1:step=17 (see README).", POLICY),

@@ -8,7 +8,8 @@ verified local copy when it is the same snapshot, else downloaded into the
 local directory with every object hashed (:mod:`ckptrun.runtime.checkpoint.tiering`); a
 ``restore_source`` event says which and why. Either way the workers load a
 local directory. A snapshot the workers could not load is skipped on the
-store too (by its manifest digest), and a fork — a resumed attempt that
+store too (by its manifest digest), so is one the ranks quarantined as
+poisoned (its values blamed right after the restore), and a fork — a resumed attempt that
 diverged — writes the store's fork marker instead of moving directories.
 
 A store that fails after the retries is not an empty store: :meth:`newest`
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.runtime.storage import store
@@ -84,6 +85,17 @@ class SnapshotSource:
         if digest is not None:
             self.refused.add(digest)
         return store.quarantine(snapshot, status, reason)
+
+    def refuse_poisoned(self, quarantined: list[dict[str, Any]]) -> None:
+        """Snapshots the ranks quarantined as poisoned (``snapshot_quarantined``, cause ``poisoned``) are skipped
+        on the store too. The ranks moved their local copy (the cache, or the staging a download went to), but
+        that copy matched the store's digests: the store's bytes are the same poison, and a fresh download of
+        it would be the second poisoned restore in a row instead of a restart from the one before it."""
+        for record in quarantined:
+            if record.get("cause") == "poisoned" and record.get("moved_to"):
+                digest = _digest(Path(str(record["moved_to"])))
+                if digest is not None:
+                    self.refused.add(digest)
 
     def abandon_after(self, snapshot: Path | None) -> list[Path]:
         moved = store.abandon_after(self.ckpt_dir, snapshot)

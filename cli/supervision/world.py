@@ -295,7 +295,9 @@ class LocalWorld:
 
     def restart_snapshot(self) -> Snapshot | None:
         """What a restart resumes from: the memory tier's newest snapshot when it is newer and usable, else durable.
-        With a store, the durable one is downloaded only when memory does not win (its step is in the listing)."""
+        With a store, the durable one is downloaded only when memory does not win (its step is in the listing).
+        A copy the ranks quarantined as poisoned is gone from its tier (memory, cache); the store skips it too."""
+        self.source.refuse_poisoned(self.attempt_events("snapshot_quarantined"))
         if self.memory.path is None or self.source.remote is None:
             return self.memory.choose(self.newest_snapshot(), self.ckpt_dir, self.run_id, self.event, self.say)
         step = self.source.newest_step()

@@ -10,8 +10,9 @@ reaches the same verdicts without another collective. Three facts follow:
 - a loss that stays non-finite for ``limit`` steps in a row is a blow-up: the
   run rolls back whatever ``--on-anomaly`` says for spikes.
 
-A loss that goes non-finite within ``limit`` steps after a restore blames the
-snapshot restored (:meth:`FiniteWatch.poisoned`). Pure and importable without torch.
+A loss that goes non-finite, or spikes (``--anomaly-sigma``, judged against the
+loss window the snapshot carries), within ``limit`` steps after a restore blames
+the snapshot restored (:meth:`FiniteWatch.poisoned`). Pure and importable without torch.
 """
 
 from __future__ import annotations
@@ -53,15 +54,16 @@ class FiniteWatch:
     def blown_up(self) -> bool:
         return self.streak >= self.limit
 
-    def poisoned(self) -> bool:
-        """The last loss is non-finite within ``limit`` steps of a restore: the restored snapshot is to blame."""
+    def poisoned(self, spiked: bool = False) -> bool:
+        """The last loss is non-finite, or ``spiked`` (the detector flagged it), within ``limit`` steps of a
+        restore: the restored snapshot is to blame."""
         if self.restored_step is None or self.last is None:
             return False
         step, loss = self.last
         if step > self.restored_step + self.limit:
             self.restored_step = None  # past the blame window: later trouble is the training's own
             return False
-        return not math.isfinite(loss)
+        return spiked or not math.isfinite(loss)
 
     def begin_save(self) -> int | None:
         """A save begins: the first non-finite step since the last one (then the snapshot is refused), or None."""

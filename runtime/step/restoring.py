@@ -53,6 +53,7 @@ class Restoring:
     saved_step: int | None
     restored_from: Path | None
     saver: Any  # checkpoint.saver.Saver
+    anomalies: Any  # step.anomaly.AnomalyDetector
     memory: Any  # checkpoint.memory_tier.MemoryTier
     heart: Any  # worker.liveness.Heartbeater
     faults: Any  # worker.fault_injection.FaultInjector
@@ -183,6 +184,8 @@ class Restoring:
         self.step = tree["counters"]["step"]
         self.epoch = tree["counters"].get("epoch", 0)
         self.rollbacks = tree["counters"].get("rollbacks", 0)
+        self.anomalies.history.clear()  # the losses before the snapshot: a spike right after it is judged, and
+        self.anomalies.history.extend(float(x) for x in tree.get("losses", []))  # blames it (safeguards)
         if not loaded.rank_tree:  # written at another world size: per-rank state does not carry over
             reshard.reseed(self.env.seed, self.step, self.rank)
             reshard.record(self, loaded.manifest)

@@ -6,11 +6,14 @@ the same step with the same facts (so ranks never disagree):
 
 - the agreed losses (:mod:`finite_watch`): a save whose window saw a
   non-finite loss is refused; a blow-up rolls back under any ``--on-anomaly``;
-  a non-finite loss right after a restore quarantines the snapshot restored
+  a non-finite or spiking loss right after a restore quarantines the snapshot restored
   (``poisoned``) and restarts from the one before it, twice in a row stops
   (unless ``--on-anomaly rollback``: its in-process rollback answers);
 - a save due while one is in flight is skipped only when every rank's saver is
   busy, as the step exchange says (``--save-overlap skip``);
+- replicas: a save compares every rank's digests of the replicated tensors
+  (:mod:`~ckptrun.runtime.checkpoint.replicas`), and ``--replica-check-every-steps N``
+  the same every N steps between saves; a mismatch is ``replicas_diverged``;
 - ``finish``: a run whose last loss is non-finite ends with exit 4, one whose
   final snapshot did not publish with exit 1 (``resume --latest`` continues).
 """
@@ -23,6 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptrun.runtime import collectives, records
+from ckptrun.runtime.checkpoint import train_state
+from ckptrun.runtime.checkpoint.replicas import compare, digests
+from ckptrun.runtime.checkpoint.snapshot_types import SaveResult
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.step.finite_watch import FiniteWatch, limit_for
 
@@ -40,8 +46,11 @@ class Safeguards:
     restored_from: Path | None
     saver: Any
     parent: str | None
+    world_size: int
+    objects: dict[str, Any]
 
     if TYPE_CHECKING:  # provided by Run
+        def _shared_objects(self) -> dict[str, Any]: ...
         def _refuse(self, message: str, code: int = ..., fatal: bool = ...) -> None: ...
         def _exit_quietly(self, code: int) -> None: ...
         def _settle_saves(self, wait: bool = False) -> None: ...
@@ -60,8 +69,9 @@ class Safeguards:
 
     # --- losses -------------------------------------------------------------------
 
-    def _watch_loss(self, step: int, loss: float) -> bool:
-        """An agreed loss; True when it poisons the snapshot just restored (then call :meth:`_blame_restored`).
+    def _watch_loss(self, step: int, loss: float, spiked: bool = False) -> bool:
+        """An agreed loss (``spiked``: the anomaly detector flagged it); True when it poisons the snapshot just
+        restored (then call :meth:`_blame_restored`).
         Under ``--on-anomaly rollback`` the in-process rollback (data window skipped, LR lowered) answers it
         instead, bounded by ``--max-rollbacks``."""
         if self.finite.observe(step, loss):  # the run's first: every rank is here, so it may wait for the save in
@@ -70,7 +80,7 @@ class Safeguards:
                 self.last_good = self.parent
                 records.log_event(self.run_dir, "nonfinite_loss", step=step, loss=str(loss), attempt=self.env.attempt,
                                   last_good=self.last_good)
-        return self.finite.poisoned() and self.env.on_anomaly != "rollback"
+        return self.finite.poisoned(spiked) and self.env.on_anomaly != "rollback"
 
     def _blowup_policy(self, policy: str) -> str:
         """``warn`` for spikes; a loss non-finite K steps in a row rolls back all the same."""
@@ -81,13 +91,13 @@ class Safeguards:
         self.finite.restored_step = step
         self.published_step = step
 
-    def _blame_restored(self, step: int, loss: float) -> None:
+    def _blame_restored(self, step: int, loss: float, why: str | None = None) -> None:
         """Quarantine the snapshot restored (``poisoned``) and leave: exit 1, so that the restart takes the one
         before it; a second poisoned restore in a row is exit 4, naming both."""
         path, restored = self.restored_from, self.finite.restored_step
         if path is None or restored is None:
             return
-        reason = f"loss {loss} at step {step}, {step - restored} step(s) after restoring it"
+        reason = f"{why or f'loss {loss}'} at step {step}, {step - restored} step(s) after restoring it"
         previous = self._poisoned_last_attempt() if self.rank == 0 else None
         if self.rank == 0:
             moved = store.quarantine(path, "poisoned", reason, step=step, loss=str(loss))
@@ -137,7 +147,27 @@ class Safeguards:
 
     # --- replicas -----------------------------------------------------------------
 
-    def _record_divergence(self, result: Any) -> None:
+    def _check_replicas_between_saves(self) -> None:
+        """``--replica-check-every-steps N``: every rank at the close of every N-th step without a save (which
+        compares them itself) digests its replicas and the ranks compare them as a save does; a mismatch is
+        handled as at a save (``replicas_diverged``, ``--on-replica-divergence``)."""
+        every = self.env.replica_check_every_steps
+        if every is None or self.world_size < 2 or self.step % every:
+            return
+        _, tensors, _ = train_state.collect(self._shared_objects())
+        skip = train_state.first_rank_keys(self.objects)  # DDP buffers are rank 0's by design
+        diverged = compare(collectives.all_gather_object(digests({k: t for k, t in tensors.items() if k not in skip})))
+        if diverged is None:
+            return
+        result = SaveResult(False, self.step, error=diverged.describe(), refused="replicas-diverged",
+                            diverged=(diverged.tensor, diverged.ranks))
+        self._settle_saves(wait=True)  # a save in flight compared at its own step: its outcome first
+        if self.rank == 0:
+            self._record_divergence(result, at="check")
+        collectives.barrier()  # recorded before any rank leaves
+        self._act_on_divergence(result)
+
+    def _record_divergence(self, result: Any, at: str = "save") -> None:
         """Rank 0, on the writer thread as soon as the ranks compared (before any rank acts on it): the event,
         naming a rank that diverged before as the suspect device, and for ``stop`` the fatal record."""
         tensor, ranks = result.diverged
@@ -145,9 +175,10 @@ class Safeguards:
         suspects = [r for r in ranks if r in before]
         policy = self.env.on_replica_divergence
         records.log_event(self.run_dir, "replicas_diverged", step=result.step, ranks=list(ranks), tensor=tensor,
-                          attempt=self.env.attempt, policy=policy, suspect=suspects)
+                          attempt=self.env.attempt, policy=policy, suspect=suspects, at=at)
         words = f"; rank(s) {', '.join(map(str, suspects))} diverged before: suspect device" if suspects else ""
-        print(f"ckptrun: {result.error} at step {result.step}: snapshot not published (policy: {policy}){words}",
+        where = "snapshot not published" if at == "save" else "found by --replica-check-every-steps"
+        print(f"ckptrun: {result.error} at step {result.step}: {where} (policy: {policy}){words}",
               file=sys.stderr, flush=True)
         if policy == "stop":
             records.write_fatal(self.run_dir, 0, f"{result.error} at step {result.step}{words}", EXIT_UNRECOVERABLE)

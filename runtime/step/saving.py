@@ -55,6 +55,7 @@ class Saving:
     failed_saves: FailedSaves
     _loaders_checked: bool
     saver: Any  # checkpoint.saver.Saver
+    anomalies: Any  # step.anomaly.AnomalyDetector
     memory: Any  # checkpoint.memory_tier.MemoryTier
     heart: Any  # worker.liveness.Heartbeater
     faults: Any  # worker.fault_injection.FaultInjector
@@ -171,7 +172,8 @@ class Saving:
         rng_tree, rng_tensors = rng.capture()
         own_trees, own_tensors = per_rank.capture({n: self.objects[n] for n in self.per_rank_names})
         counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
-        shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases}
+        shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases,
+                       "losses": list(self.anomalies.history)}  # the spike detector's window: see restoring._apply
         return snapshot.State(shared_tree, tensors, {"rng": rng_tree, per_rank.PREFIX: own_trees},
                               {**rng_tensors, **own_tensors}, first_rank_keys=train_state.first_rank_keys(self.objects))
 

@@ -56,8 +56,9 @@ class StepEnd:
         def _stop(self) -> None: ...
         def save(self) -> None: ...
         def _memory_save(self) -> None: ...
-        def _watch_loss(self, step: int, loss: float) -> bool: ...
-        def _blame_restored(self, step: int, loss: float) -> None: ...
+        def _watch_loss(self, step: int, loss: float, spiked: bool = ...) -> bool: ...
+        def _blame_restored(self, step: int, loss: float, why: str | None = ...) -> None: ...
+        def _check_replicas_between_saves(self) -> None: ...
 
     def _start_step_end(self, world_size: int) -> None:
         """Called once by ``Run.__init__``."""
@@ -146,10 +147,10 @@ class StepEnd:
         for facts in agreed.steps:
             if facts.record is not None:
                 lines.append(self._line(facts))
-            if not facts.skipped and self._watch_loss(facts.step, facts.loss):  # poison right after a restore
-                self.metrics_log.append_many(lines)
-                self._blame_restored(facts.step, facts.loss)
-            anomaly = None if facts.skipped else self.anomalies.check(facts.loss)
+            anomaly = None if facts.skipped else self.anomalies.check(facts.loss)  # judged against the restored window
+            if not facts.skipped and self._watch_loss(facts.step, facts.loss, spiked=anomaly is not None):
+                self.metrics_log.append_many(lines)  # poison (non-finite or a spike) right after a restore
+                self._blame_restored(facts.step, facts.loss, anomaly)
             if anomaly is not None:
                 self.metrics_log.append_many(lines)  # the anomalous step's line first, as the steps before it
                 lines = []
@@ -190,10 +191,13 @@ class StepEnd:
             stop, self._carried = stop or self._carried[0], (False, False)
         if stop:
             self._stop()
-        if save and self.saved_step != self.step:  # the script may have called run.save() itself meanwhile
-            self.save()
+        saving = save and self.saved_step != self.step  # the script may have called run.save() itself meanwhile
+        if saving:
+            self.save()  # compares the replicas itself
         elif self.memory.due(self.step) and self.saved_step != self.step:  # due for both: the durable save only
             self._memory_save()
+        if not saving:
+            self._check_replicas_between_saves()
         if self.faults.step_fault_due(self.step):
             self._write_pending_line()  # rank 0's line; a crashing rank's own step goes in its heartbeat
             if not self.faults.hang_due(self.step):  # a hung rank stays silent, as a real one would
