@@ -52,3 +52,14 @@ def one_rank_job_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(read_events(run_dir, "attempt_start")) == 1
     return run_dir
+
+
+@pytest.fixture
+def cleanup():
+    """A tracker of the run dirs a test launches into: whatever they left running is killed at the end, whatever
+    the outcome (``launch_helpers.Cleanup``). Shared by every e2e test file; a file may define its own."""
+    from launch_helpers import Cleanup
+
+    tracker = Cleanup()
+    yield tracker
+    tracker.close()

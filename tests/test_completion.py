@@ -4,19 +4,11 @@ attempt that logged ``completed`` is never restarted — a crash after it is exi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from launch_helpers import COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events, one
 
 SCRIPT = str(FIXTURES / "own_group_job.py")
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 @pytest.mark.e2e

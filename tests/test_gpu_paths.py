@@ -41,13 +41,6 @@ BN_JOB = FIXTURES / "bn_ddp_job.py"
 RECORDER = FIXTURES / "cuda_call_recorder.py"
 
 
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
-
-
 def _plain_env() -> dict[str, str]:
     """This process's environment without C1 and without the NVML check (ckptrun must add it)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_") and k != NVML}

@@ -5,19 +5,11 @@ waits for it in DDP's all-reduce."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from launch_helpers import COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, one
 
 SCRIPT = str(FIXTURES / "plain_ddp.py")
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 @pytest.mark.e2e

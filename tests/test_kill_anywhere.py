@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -37,13 +36,6 @@ def kill_plan() -> str:
     """Attempt k (1..KILLS) is killed on rank k % 2, at an instant spread over 2.5..5 s after init()."""
     kills = [f"kill-at:rank={k % 2}:after={2.5 + (k * 0.37) % 2.5:.2f}:attempt={k}" for k in range(1, KILLS + 1)]
     return ";".join([*kills, "slow-save:ms=250:attempt=any"])
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 def incomplete_published(ckpt: Path) -> list[str]:

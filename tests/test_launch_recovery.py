@@ -8,7 +8,6 @@ broken resume that `--require-exact-resume` ends with exit 4 is the README's: te
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from launch_helpers import Cleanup, assert_no_processes, ckptrun, events, one
@@ -18,13 +17,6 @@ from ckptrun.cli.recovery_budget.rto_model import daly
 pytestmark = pytest.mark.e2e
 QUICK = ["--heartbeat-timeout", "5", "--startup-timeout", "60", "--restart-backoff", "0.1"]
 LIGHT = ["--", "--num-workers", "0"]  # no loader workers to start: shorter runs on a busy machine
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 @pytest.mark.timeout(240)

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import pytest
@@ -81,13 +80,6 @@ class Pair:
 
     def log(self, node: int) -> str:
         return tail(self.procs[node].log_path, 4000)  # type: ignore[attr-defined]
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 @pytest.fixture(scope="module")

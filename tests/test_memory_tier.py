@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -292,13 +291,6 @@ STEPS, DURABLE, MEMORY, KILL = ONE_RANK_STEPS, 10, 2, 15  # conftest's one-rank 
 JOB = ONE_RANK_JOB
 QUICK = ["--nproc-per-node", "1", "--heartbeat-timeout", "5", "--startup-timeout", "60", "--restart-backoff", "0.1",
          "--save-every-steps", str(DURABLE), "--ranks-output", "none"]
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 @pytest.fixture(scope="module")

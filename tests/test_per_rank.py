@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from launch_helpers import COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events
 
 SCRIPT = str(FIXTURES / "per_rank_job.py")
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 @pytest.mark.e2e

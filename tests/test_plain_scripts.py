@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events, one, run_processes, start,
@@ -27,13 +26,6 @@ from ckptrun.runtime.records import read_heartbeats, read_metrics
 SCRIPT = str(FIXTURES / "plain_ddp.py")
 HEARTBEAT_TIMEOUT = 5.0  # COMMON's --heartbeat-timeout
 GRACE = ["--grace-period", "5"]  # the fixture traps SIGTERM: a hung rank is killed after the grace period
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 def script_steps(out: Path) -> list[int]:

@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from launch_helpers import COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events, one
 
 SCRIPT = str(FIXTURES / "flag_resume_ddp.py")
 KILL = ["--inject-fault", "kill:rank=1:step=7"]
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 def logged(out: Path) -> list[dict]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import pytest
@@ -29,13 +28,6 @@ assert STEPS == ONE_RANK_STEPS  # conftest's reference run is this job
 FLAGS = ["--nproc-per-node", "1", "--save-every-steps", "2", "--heartbeat-timeout", "5", "--startup-timeout", "60",
          "--restart-backoff", "0", "--max-restarts", str(RESTARTS), "--max-stalled-restarts", str(RESTARTS)]
 JOB = ONE_RANK_JOB
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 @pytest.fixture(scope="module")

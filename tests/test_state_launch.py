@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from launch_helpers import FIXTURES, Cleanup, assert_no_processes, ckptrun, events
@@ -18,13 +17,6 @@ pytestmark = pytest.mark.e2e
 ONE_RANK = ["--nproc-per-node", "1", "--save-every-steps", "5", "--heartbeat-timeout", "5", "--startup-timeout", "60",
             "--restart-backoff", "0.1"]
 TWO_RANKS = ["--nproc-per-node", "2", *ONE_RANK[2:]]
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from launch_helpers import Cleanup, assert_no_processes, ckptrun, events, start, tail, wait_for
@@ -23,13 +22,6 @@ from ckptrun.cli.supervision.recovery import RecoveryOptions
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.records import read_heartbeats
 from ckptrun.runtime.checkpoint.verify import newest_verified
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    tracker = Cleanup()
-    yield tracker
-    tracker.close()
 
 
 def published(ckpt: Path) -> bool:
