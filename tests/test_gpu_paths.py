@@ -344,10 +344,14 @@ read, write = os.pipe()
 pid = os.fork()
 if pid == 0:
     os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun sets for the rank after the agent loaded numpy
+    fds = lambda: sorted(f for f in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{f}"))  # not the listing's own
+    before = fds()
     closed = fork_safety.close_inherited_listeners()
+    left = fds()
     warm_start.apply_threads()
     import torch
-    os.write(write, json.dumps({"closed": closed, "fd": listener.fileno(), "blas": fork_safety.openblas_threads(),
+    os.write(write, json.dumps({"closed": closed, "fd": listener.fileno(), "before": before, "left": left,
+                                "blas": fork_safety.openblas_threads(),
                                 "torch": torch.get_num_threads()}).encode())
     os._exit(0)
 os.waitpid(pid, 0)
@@ -360,4 +364,7 @@ print(json.dumps(facts))
     assert result.returncode == 0, result.stderr[-2000:]
     facts = json.loads(result.stdout)
     assert facts["closed"] == [facts["fd"]] and facts["parent_listens"] == 1
+    # nothing else closed and no descriptor left open by the probe (a leaked duplicate of the agent's sentinel
+    # pipe outlived a SIGKILLed rank in its loader workers and hid its death from torchrun)
+    assert sorted(set(facts["before"]) - set(facts["left"])) == [str(facts["fd"])] and set(facts["left"]) <= set(facts["before"])
     assert facts["torch"] == 1 and facts["blas"] and set(facts["blas"]) == {1}, facts

@@ -26,6 +26,7 @@ import ctypes
 import json
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -74,10 +75,20 @@ def leave_for_spawn(pid_dir: Path) -> None:
 
 
 def _listening(fd: int) -> bool:
+    """Whether ``fd`` is a listening socket. Only sockets are probed, through a duplicate that is always closed:
+    a leaked duplicate of another descriptor (the agent's sentinel pipe to this rank, say) would outlive this
+    rank in its data-loader workers and hide its death from torchrun."""
     try:
-        probe = socket.socket(fileno=os.dup(fd))
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        duplicate = os.dup(fd)
     except OSError:
-        return False  # not a socket
+        return False
+    try:
+        probe = socket.socket(fileno=duplicate)
+    except OSError:
+        os.close(duplicate)
+        return False
     try:
         return bool(probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
     except OSError:
