@@ -78,19 +78,19 @@ class OneNode:
         return None
 
     def torn_down(self, watch: AttemptWatch) -> None:
-        pass
+        """No other node waits for this one's teardown acknowledgement."""
 
     def gather(self, watch: AttemptWatch) -> GiveUp | None:
         return None
 
     def restarting(self, watch: AttemptWatch, snapshot: Snapshot | None, pending: dict[str, Any] | None) -> None:
-        pass
+        """No follower to tell the next attempt and its snapshot: the loop starts it itself."""
 
     def follow(self, attempt: int) -> Next | Outcome:
         raise RuntimeError("a job of one node has no leader to follow")
 
     def ended(self, outcome: Outcome, restarts: int) -> None:
-        pass
+        """No follower to hand the verdict to: the outcome is this launcher's exit."""
 
     def lost(self, detail: str, restarts: int) -> Outcome:
         raise RuntimeError(f"a job of one node has no coordination to lose ({detail})")
