@@ -202,3 +202,20 @@ def test_unreadable_lineage_fails_verify_and_says_so(ckpt: Path) -> None:
     assert code == 1 and document["ok"] is False
     assert "lineage.json: unreadable" in document["problems"][0]
     assert all(snap["status"] == "ok" for snap in document["snapshots"])
+
+
+def test_a_snapshot_retention_deletes_while_it_is_verified_reads_as_vanished_not_corrupt(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race CI met: retention removed the snapshot between the walk's is_dir() and its scandir(), and
+    pathlib's rglob raised FileNotFoundError out of verify (a run's own verify, or `ckptrun verify` beside it)."""
+    import shutil
+
+    import ckptrun.runtime.checkpoint.verify as verify
+
+    def rglob_as_retention_prunes(self: Path, pattern: str):
+        shutil.rmtree(self)
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "rglob", rglob_as_retention_prunes)
+    report = verify.verify_snapshot(ckpt / store.snapshot_name(20), quick=True)
+    assert report.status == verify.VANISHED, report.problems

@@ -116,8 +116,13 @@ def _check_file(root: Path, entry: FileEntry, quick: bool, progress: Callable[[i
 
 
 def _unlisted(root: Path, manifest: Manifest) -> list[str]:
+    """Files in the snapshot the manifest does not name; none when retention deletes it under the walk
+    (the caller then sees the directory gone and reports it vanished, not corrupt)."""
     listed = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
-    found = {str(p.relative_to(root).as_posix()) for p in root.rglob("*") if p.is_file()}
+    try:
+        found = {str(p.relative_to(root).as_posix()) for p in root.rglob("*") if p.is_file()}
+    except FileNotFoundError:
+        return []
     return sorted(found - listed)
 
 
