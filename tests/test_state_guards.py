@@ -69,6 +69,27 @@ def test_the_staged_floats_check_names_the_first_non_finite_tensor_and_ignores_i
     assert first_nonfinite({**large, "n": torch.empty(0)}) is None, "finite values whose 16-bit norm would overflow"
 
 
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_the_staged_floats_check_is_exact_for_every_float_dtype(dtype):
+    """NaN, +inf and -inf anywhere (first, middle of a big tensor, last) are found; finite values however large
+    (the dtype's max, whose squares and sums overflow the dtype) never read as non-finite."""
+    big = torch.full((3_000_001,), 0.5, dtype=dtype)
+    huge = {"max": torch.full((1000,), torch.finfo(dtype).max, dtype=dtype),
+            "min": torch.full((1001,), torch.finfo(dtype).min, dtype=dtype), "big": big}
+    assert first_nonfinite(huge) is None, "finite values of the dtype's extremes"
+    for bad in (math.nan, math.inf, -math.inf):
+        for where in (0, big.numel() // 2, big.numel() - 1):
+            poisoned = big.clone()
+            poisoned[where] = bad
+            assert first_nonfinite({**huge, "poisoned": poisoned}) == "non-finite values in poisoned", (bad, where)
+    both = huge["max"].clone()
+    both[[3, 7]] = torch.tensor([math.inf, -math.inf], dtype=dtype)  # the sum of the two is NaN, not finite
+    assert first_nonfinite({"both": both}) == "non-finite values in both"
+
+
 # --- real ranks ---------------------------------------------------------------------
 
 
