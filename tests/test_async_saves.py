@@ -36,10 +36,12 @@ def test_staging_buffers_are_reused_across_saves(tmp_path):
         return statistics.median(saved[s]["rss_after_stage_bytes"] for s in steps)
 
     growth = level((8, 9, 10)) - level((2, 3, 4))
-    # a leak of staging buffers would add a whole snapshot per save (8 over this window); the allocator's arenas
-    # and the writer thread's serialisation buffers move RSS by tens of MiB on a loaded machine
-    assert growth <= 0.5 * snapshot_bytes, (
-        f"RSS grew by {growth / 2**20:.1f} MiB over 8 saves of {snapshot_bytes / 2**20:.1f} MiB")
+    # a leak of staging buffers would add a whole snapshot per save (6 between the two medians); the allocator's
+    # arenas and the writer thread's serialisation buffers move RSS by up to ~0.6 snapshot on a loaded fresh clone
+    # (80 MiB of 130 seen in CI): the bound catches a leak of a quarter of the buffers per save, not that noise.
+    # The exact check of reuse is the allocation count below.
+    assert growth <= 1.5 * snapshot_bytes, (
+        f"RSS grew by {growth / 2**20:.1f} MiB over 6 saves of {snapshot_bytes / 2**20:.1f} MiB")
     assert all(e["asynchronous"] for e in saved.values())
     assert saved[1]["staging_allocated_bytes"] > 0
     assert [saved[s]["staging_allocated_bytes"] for s in range(2, 11)] == [0] * 9, "buffers allocated once"
