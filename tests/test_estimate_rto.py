@@ -374,10 +374,11 @@ def test_a_warm_no_op_relaunch_goes_through_a_standby_and_forked_ranks(trained: 
     assert "forked (warm) ranks" in components.teardown(target, noop).detail
 
 
-def _probe_processes() -> list[psutil.Process]:
-    """Processes of an estimator's relaunch (standby agent, torchrun, ranks): their run id says so."""
+def _probe_processes(estimator: psutil.Process) -> list[psutil.Process]:
+    """Processes of this estimator's relaunch (standby agent, torchrun, ranks): its descendants whose run id says
+    so (never another test's estimate running alongside)."""
     found = []
-    for process in psutil.process_iter():
+    for process in estimator.children(recursive=True):
         try:
             run_id = process.environ().get("CKPTRUN_RUN_ID", "")
             if ("-rto-probe-" in run_id or run_id.startswith("rto-noop-")) and process.status() != psutil.STATUS_ZOMBIE:
@@ -385,6 +386,18 @@ def _probe_processes() -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (pid reuse ruled out by psutil's create time check)."""
+    alive = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.Error:
+            continue
+    return alive
 
 
 @pytest.mark.timeout(180)
@@ -398,14 +411,17 @@ def test_a_sigkilled_estimator_leaves_no_relaunch_process(trained: Path, tmp_pat
     log = open(tmp_path / "estimate.log", "wb")
     estimator = subprocess.Popen([sys.executable, "-m", "ckptrun.cli.main", "estimate-rto", str(run_dir), "--probe"],
                                  stdout=log, stderr=subprocess.STDOUT)
+    relaunch: list[psutil.Process] = []  # taken before the kill: orphans are no one's descendants
     try:
-        wait_for(lambda: len(_probe_processes()) >= 2 or estimator.poll() is not None, timeout=120,
+        watched = psutil.Process(estimator.pid)
+        wait_for(lambda: len(_probe_processes(watched)) >= 2 or estimator.poll() is not None, timeout=120,
                  what="the no-op relaunch's agent and rank")
-        assert estimator.poll() is None, (tmp_path / "estimate.log").read_text()[-2000:]
+        relaunch = _probe_processes(watched)
+        assert estimator.poll() is None and relaunch, (tmp_path / "estimate.log").read_text()[-2000:]
         estimator.kill()
         estimator.wait()
-        wait_for(lambda: not _probe_processes(), timeout=20, what="the probe's processes to exit")
+        wait_for(lambda: not _alive(relaunch), timeout=20, what="the probe's processes to exit")
     finally:
         estimator.kill()
-        for process in _probe_processes():
+        for process in _alive(relaunch):
             process.kill()

@@ -335,14 +335,14 @@ def test_a_kill_restores_from_memory_exactly(reference: Path, tmp_path: Path, cl
 @pytest.mark.timeout(360)
 def test_without_its_memory_copy_a_restart_restores_the_newest_disk_snapshot(reference: Path, tmp_path: Path,
                                                                              cleanup: Cleanup) -> None:
-    """A hang (alive, silent) gives the test the heartbeat timeout (20 s here, so a loaded machine cannot starve
-    the test past it) to remove the memory copy before the supervisor chooses: the hang fires after the memory
+    """A hang (alive, silent) gives the test the heartbeat timeout (10 s here, twice the usual, so a loaded machine
+    cannot starve the test past it) to remove the memory copy before the supervisor chooses: the hang fires after the memory
     save of step 14 settled and step 15's line is written."""
     run_dir = cleanup.run_dir(tmp_path / "runs" / "hang")
     log = tmp_path / "hang.log"
     # one exchange per step: step 15's line is written before its hang (a batch of steps would hold it back)
     process = cleanup.track(start("launch", *QUICK, "--name", "hang", "--memory-every-steps", str(MEMORY),
-                                  "--decision-every-steps", "1", "--heartbeat-timeout", "20", "--inject-fault", f"hang:rank=0:step={KILL}", *JOB, cwd=tmp_path, log=log))
+                                  "--decision-every-steps", "1", "--heartbeat-timeout", "10", "--inject-fault", f"hang:rank=0:step={KILL}", *JOB, cwd=tmp_path, log=log))
     memory = wait_for(lambda: (run_dir / "run.json").exists() and memory_dir_of(run_dir), 60, "the run to start")
     wait_for(lambda: KILL in final_losses(run_dir) and (memory / store.snapshot_name(KILL - 1)).exists(), 120,
              f"step {KILL} and memory step {KILL - 1}")
