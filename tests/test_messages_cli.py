@@ -393,7 +393,8 @@ def test_a_plain_scripts_start_up_does_not_show_the_runtimes_cadence(tmp_path: P
     (tmp_path / "adopted.py").write_text("def main():\n    import ckptrun.runtime as ckr\n    ckr.init()\n")
     assert snapshot_line(LaunchSpec(script=tmp_path / "plain.py")) == (  # a module it imports may use the runtime
         "snapshots: none by ckptrun, unless a module the script imports uses ckptrun.runtime (the script itself does "
-        "not import it; without it, a restart resumes from the script's own files)")
+        "not import it; a restart relaunches the script, which resumes only if it loads its own checkpoint: its "
+        "step count then says whether it did)")
     for script in (tmp_path / "adopted.py", None):  # None: the embedded default job
         assert snapshot_line(LaunchSpec(script=script, save_every_steps=5)) == "snapshots: every 5 steps"
 

@@ -131,7 +131,7 @@ def test_a_killed_rank_restarts_and_the_script_completes_from_its_own_file(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("does not use ckptrun.runtime") == 1
     assert result.stderr.count("kill-during-save can never fire") == 1
-    assert "attempt 2 (the script should resume from its own files)" in result.stderr
+    assert "attempt 2 (the script is relaunched: its step count will say whether it resumed)" in result.stderr
     assert "attempt 2: the script resumed from its own checkpoint at step 5" in result.stderr  # its optimizer's count
     failure, restart = one(run_dir, "failure"), one(run_dir, "restart")
     assert failure["rank"] == 1 and failure["signal"] == "SIGKILL" and failure["step"] == 7 and failure["plain_script"]

@@ -99,7 +99,7 @@ def test_plain_script_is_told_once_watched_for_hangs_and_resumes_from_its_own_fi
     assert sum("kill-during-save can never fire" in line for line in world.said) == 1
     [failure] = world.events("failure")
     assert failure["cause"] == "hang" and failure["plain_script"] is True
-    assert any("attempt 2 (the script should resume from its own files)" in line for line in world.said)
+    assert any("attempt 2 (the script is relaunched: its step count will say whether it resumed)" in line for line in world.said)
     assert len(world.events("plain_script")) == 1
 
 

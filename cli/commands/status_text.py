@@ -53,7 +53,8 @@ def _progress_words(p: dict[str, Any]) -> str:
 
 def _snapshot_words(s: dict[str, Any] | None, plain: bool) -> str:
     if s is None and plain:
-        return "none (the script does not use ckptrun.runtime: after a failure it resumes from its own files)"
+        return ("none by ckptrun (the script does not use ckptrun.runtime: a failure relaunches it, and it resumes "
+                "only if it loads its own checkpoint)")
     if s is None:
         return "none yet (a failure now restarts from the beginning)"
     if s.get("check") == "listing":

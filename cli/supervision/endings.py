@@ -79,9 +79,11 @@ class Endings:
         if watch.forced:
             return Outcome(EXIT_NO, "the script did not exit cleanly on SIGTERM (it was killed or exited non-zero); "
                            "whether it saved its state is unknown", "look at its log under logs/; "
-                           "`ckptrun resume --latest` relaunches it from its own files", attempts, self.restarts)
+                           "`ckptrun resume --latest` relaunches it (it resumes only if it loads its own "
+                           "checkpoint)", attempts, self.restarts)
         return Outcome(EXIT_STOPPED, "stopped: the script exited cleanly on SIGTERM",
-                       "continue with `ckptrun resume --latest` (it resumes from its own files)", attempts, self.restarts)
+                       "continue with `ckptrun resume --latest` (it resumes only if it loads its own checkpoint, "
+                       "e.g. given --restart-args)", attempts, self.restarts)
 
     def _framework_stopped(self, watch: AttemptWatch) -> Outcome:
         return own_checkpoints.framework_stopped(self.world, watch.attempt, watch.forced, watch.last_step,

@@ -290,7 +290,8 @@ def snapshot_line(spec: LaunchSpec) -> str:
         plain = False  # the first attempt says what is wrong with it
     if plain:
         return ("snapshots: none by ckptrun, unless a module the script imports uses ckptrun.runtime (the script "
-                "itself does not import it; without it, a restart resumes from the script's own files)")
+                "itself does not import it; a restart relaunches the script, which resumes only if it loads its own "
+                "checkpoint: its step count then says whether it did)")
     return f"snapshots: {cadence(spec)}"
 
 

@@ -223,7 +223,7 @@ class Supervisor(Endings):
         self.world.event("plain_script")
         self.world.say("note: this script does not use ckptrun.runtime: its optimizer steps are watched (hangs, "
                        "status, faults) and a failure restarts it (its optimizer's step count shows whether it "
-                       "resumed from its own files); verified snapshots, exact resume and saving on `ckptrun stop` "
+                       "picked up where it left off); verified snapshots, exact resume and saving on `ckptrun stop` "
                        "need the runtime.")
         if self.runtime_only_faults:
             self.world.say(f"warning: --inject-fault {', '.join(self.runtime_only_faults)} can never fire: "
@@ -349,7 +349,8 @@ class Supervisor(Endings):
         }
         where = (f"from snapshot step {snapshot.step}" if snapshot else
                  "(the script resumes from its newest verified checkpoint)" if self.framework_seen else
-                 "(the script should resume from its own files)" if self.plain else "from the start (no verified snapshot)")
+                 "(the script is relaunched: its step count will say whether it resumed)" if self.plain else
+                 "from the start (no verified snapshot)")
         self.world.say(f"restart {self.restarts}/{self.policy.max_restarts}: attempt {watch.attempt + 1} {where}")
         return snapshot
 
