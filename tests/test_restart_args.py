@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from launch_helpers import COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events, one
 
+from ckptrun.runtime.records import read_metrics
+
 SCRIPT = str(FIXTURES / "flag_resume_ddp.py")
 KILL = ["--inject-fault", "kill:rank=1:step=7"]
 
@@ -37,6 +39,11 @@ def test_restart_args_resume_the_script_and_the_lost_steps_are_true(tmp_path: Pa
     assert not events(run_dir, "started_over")
     assert "resumed from its own checkpoint at step 5" in result.stderr
     assert "run completed at step 12" in result.stderr
+    steps = {a: [int(m["step"]) for m in read_metrics(run_dir) if m.get("attempt") == a and "step" in m] for a in (1, 2)}
+    assert steps[2] and min(steps[2]) == 6 and max(steps[2]) == 12, steps  # the step hook's records: global steps
+    status = ckptrun("status", str(run_dir), "--json", cwd=tmp_path)
+    document = json.loads(status.stdout)  # status too: global steps, not the 7th step of attempt 2
+    assert document["progress"]["step"] == 12 and {r["step"] for r in document["ranks"]} == {12}, status.stdout[-2000:]
     assert json.loads((run_dir / "run.json").read_text())["spec"]["restart_args"] == ["--resume"]
     assert_no_processes(run_dir, within=5)
 
