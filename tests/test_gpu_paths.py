@@ -129,6 +129,37 @@ def test_spawn_args_replace_the_fork_start_and_rename_a_fixed_rendezvous() -> No
                                                 "train.py", "--lr", "1"]
 
 
+def test_a_forked_rank_makes_its_local_rank_gpu_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork does not carry the agent's device over (the agent never touched CUDA): the forked rank binds
+    ``LOCAL_RANK``'s GPU itself, and with fewer GPUs than that, or none, binds nothing. CUDA as it would answer
+    on a 2-GPU node; what the rank calls is recorded."""
+    from ckptrun.runtime.worker.warm_start import bind_local_device
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    for local_rank in ("1", "0", "2"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        bind_local_device()
+    assert calls == [1, 0]  # LOCAL_RANK 2 has no GPU on this node: nothing bound
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bind_local_device()
+    assert calls == [1, 0]
+
+
+def test_gpu_check_says_what_ran_one_rank_is_never_called_ddp() -> None:
+    """make gpu-check's launch line says what ran: one rank has both groups and no DDP wrap, never "DDP over
+    NCCL" (issue 22 item 6)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    try:
+        from gpu_launch_checks import what_ran
+    finally:
+        sys.path.pop(0)
+    assert what_ran(1) == "1 rank, group cpu:gloo,cuda:nccl, no DDP wrap (one rank)" and "DDP over" not in what_ran(1)
+    assert what_ran(2) == "2 ranks, DDP over NCCL"
+
+
 # --- item 2: FSDP2 staging stays on the host --------------------------------------------------
 
 
