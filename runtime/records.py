@@ -7,8 +7,9 @@ mid-write. ``O_APPEND`` is atomic on one machine only, not across NFS clients:
 on many nodes ``events.jsonl`` is written from the leader's node (node rank 0)
 only; the others write their events to ``nodes/node-K/events.jsonl`` (their
 launcher, and their ranks by C1's ``CKPTRUN_NODE``), and :func:`read_events`
-merges them. ``metrics.jsonl`` has one writer wherever it runs (global rank 0);
-``fatal.jsonl`` is still appended by whichever rank refuses (rare, one line).
+merges them. ``fatal.json`` (JSONL too: a line per refusing rank) is split the same way:
+:func:`write_fatal` appends to this node's file, :func:`read_fatal` merges them.
+``metrics.jsonl`` has one writer wherever it runs (global rank 0).
 Heartbeats are one small file per rank, rewritten in place by its rank
 (:class:`HeartbeatFile`); readers skip one caught half written.
 Importable without torch.
@@ -105,13 +106,28 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 NODE_VARIABLE = "CKPTRUN_NODE"  # contract C1's RunEnv.node: the node whose launcher started this rank
 
 
-def events_file(run_dir: Path, writer_node: int | None = None) -> Path:
-    """The events file a writer on ``writer_node`` appends to (default: this process's node from C1): the
-    shared ``events.jsonl`` on the leader's node or a single node, ``nodes/node-K/events.jsonl`` elsewhere."""
+def node_file(run_dir: Path, name: str, writer_node: int | None = None) -> Path:
+    """The copy of the shared record file ``name`` a writer on ``writer_node`` appends to (default: this
+    process's node from C1): ``RUN_DIR/name`` on the leader's node or a single node, ``nodes/node-K/name``
+    elsewhere, so that each file has one node writing it."""
     if writer_node is None:
         text = os.environ.get(NODE_VARIABLE, "")
         writer_node = int(text) if text.isdigit() else None
-    return run_dir / EVENTS if not writer_node else run_dir / "nodes" / f"node-{writer_node}" / EVENTS
+    return run_dir / name if not writer_node else run_dir / "nodes" / f"node-{writer_node}" / name
+
+
+def events_file(run_dir: Path, writer_node: int | None = None) -> Path:
+    """The events file a writer on ``writer_node`` appends to: ``events.jsonl`` or ``nodes/node-K/events.jsonl``."""
+    return node_file(run_dir, EVENTS, writer_node)
+
+
+def read_merged(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The records of the shared file ``name`` with every node's ``nodes/node-K/name`` merged in by time."""
+    records = read_jsonl(run_dir / name)
+    others = sorted(run_dir.glob(f"nodes/node-*/{name}"))
+    if others:
+        records = sorted(records + [r for path in others for r in read_jsonl(path)], key=_event_time)
+    return records
 
 
 def log_event(run_dir: Path, event: str, *, writer_node: int | None = None, **fields: Any) -> dict[str, Any]:
@@ -125,11 +141,7 @@ def log_event(run_dir: Path, event: str, *, writer_node: int | None = None, **fi
 
 def read_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
     """The run's events: the shared file, with the other nodes' files merged in by time (one node: just it)."""
-    records = read_jsonl(run_dir / EVENTS)
-    others = sorted(run_dir.glob(f"nodes/node-*/{EVENTS}"))
-    if others:
-        records = sorted(records + [r for path in others for r in read_jsonl(path)], key=_event_time)
-    return [r for r in records if event is None or r.get("event") == event]
+    return [r for r in read_merged(run_dir, EVENTS) if event is None or r.get("event") == event]
 
 
 def _event_time(record: dict[str, Any]) -> float:
@@ -249,9 +261,13 @@ def read_heartbeats(run_dir: Path) -> dict[int, Heartbeat]:
 
 def write_fatal(run_dir: Path, rank: int, reason: str, exit_code: int) -> None:
     """A worker's word that a restart cannot help (refused config, anomaly stop, bad precision; exit 1:
-    saves failed too often, the disk must be fixed first): the supervisor ends the run with ``exit_code``."""
-    append_jsonl(run_dir / FATAL, {"rank": rank, "reason": reason, "exit_code": exit_code, "time": time.time()})
+    saves failed too often, the disk must be fixed first): the supervisor ends the run with ``exit_code``.
+    Appended to this node's file (``fatal.json`` on node 0, ``nodes/node-K/fatal.json`` elsewhere)."""
+    path = node_file(run_dir, FATAL)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    append_jsonl(path, {"rank": rank, "reason": reason, "exit_code": exit_code, "time": time.time()})
 
 
 def read_fatal(run_dir: Path) -> list[dict[str, Any]]:
-    return read_jsonl(run_dir / FATAL)
+    """Every node's fatal records, merged by time (the last is the newest)."""
+    return read_merged(run_dir, FATAL)

@@ -310,6 +310,18 @@ def test_export_refuses_a_file_as_its_directory_before_reading_anything(tmp_path
         "error: -o taken/model.pt: taken is a file, not a directory", "hint: pass a path inside a directory"])
 
 
+def test_export_creates_a_missing_directory_as_report_and_init_do(tmp_path: Path) -> None:
+    """One rule for -o: a missing parent (two levels here) is created, and the file is a plain state_dict."""
+    import torch
+
+    _accumulating_run(tmp_path / "run", steps=2, by_hand=0)  # in process: a snapshot of a Linear(3, 1) at step 2
+    result = ckptrun("export", "run/checkpoints", "-o", "new/nested/model.pt", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(tmp_path / "new" / "nested" / "model.pt", weights_only=True)
+    assert sorted(state) == ["bias", "weight"] and state["weight"].shape == (1, 3)
+    assert sorted(p.name for p in (tmp_path / "new" / "nested").iterdir()) == ["model.pt"]  # no temp file left
+
+
 # --- item 8: one writer per shared record file on many nodes -----------------------------------------
 
 WRITE_EVENT = """import sys
@@ -343,6 +355,41 @@ def test_only_the_leaders_node_appends_to_the_shared_events_file(tmp_path: Path)
     assert (shared, local) == (["single", "leader_rank"], ["node1_rank", "node1_launcher"])
     assert [r["step"] for r in read_events(run_dir)] == [1, 2, 3, 4]
     assert [r["step"] for r in read_events(run_dir, "node1_rank")] == [3]
+
+
+WRITE_FATAL = """import sys
+from pathlib import Path
+from ckptrun.runtime.records import write_fatal
+write_fatal(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], 4)
+"""
+
+
+def test_a_fatal_record_of_a_rank_on_another_node_lands_in_its_nodes_file(tmp_path: Path) -> None:
+    """fatal.json has one writer node too: node 0's ranks write the shared file, a rank of node 1 (C1's
+    CKPTRUN_NODE) writes nodes/node-1/fatal.json, and the supervisor's reader sees both, newest last."""
+    import os
+    import subprocess
+    import sys
+
+    from ckptrun.cli.progress import Progress
+    from ckptrun.cli.supervision.rundir import RunPaths
+    from ckptrun.cli.supervision.spec import LaunchSpec
+    from ckptrun.cli.supervision.world import LocalWorld
+    from ckptrun.runtime.records import NODE_VARIABLE, read_fatal, read_jsonl
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    world = LocalWorld(LaunchSpec(), "r", RunPaths(run_dir), run_dir / "checkpoints", [], Progress())
+    (tmp_path / "fatal.py").write_text(WRITE_FATAL)
+    base = {k: v for k, v in os.environ.items() if k != NODE_VARIABLE}
+    for node, rank, reason in (("0", 0, "leader refused"), ("1", 3, "node 1 refused")):
+        subprocess.run([sys.executable, str(tmp_path / "fatal.py"), str(run_dir), str(rank), reason],
+                       env={**base, NODE_VARIABLE: node}, check=True, timeout=60)
+    shared = [r["reason"] for r in read_jsonl(run_dir / "fatal.json")]
+    local = [r["reason"] for r in read_jsonl(run_dir / "nodes" / "node-1" / "fatal.json")]
+    assert (shared, local) == (["leader refused"], ["node 1 refused"])
+    assert [(r["rank"], r["exit_code"]) for r in read_fatal(run_dir)] == [(0, 4), (3, 4)]
+    assert [r["reason"] for r in world.fatal_records()] == ["leader refused", "node 1 refused"]
 
 
 def test_the_supervisor_sees_the_events_of_a_rank_0_on_another_node(tmp_path: Path) -> None:

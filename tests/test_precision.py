@@ -182,4 +182,7 @@ def test_precision_report_command(tmp_path):
     table = subprocess.run([sys.executable, "-m", "ckptrun.cli.main", "precision-report", str(tmp_path)], capture_output=True, text=True)
     assert table.returncode == 0 and "matmul/linear" in table.stdout and "bfloat16×4" in table.stdout
     missing = subprocess.run([sys.executable, "-m", "ckptrun.cli.main", "precision-report", str(tmp_path / "nope")], capture_output=True, text=True)
-    assert missing.returncode == 2 and missing.stderr.startswith("error:")
+    assert (missing.returncode, missing.stderr.splitlines()) == (2, [
+        f"error: {tmp_path / 'nope'}: no such run directory",
+        "hint: pass the RUN_DIR that `ckptrun launch` printed (runs/NAME)"])  # two lines, no traceback
+    assert not (tmp_path / "nope").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["precision.json"]
