@@ -33,7 +33,7 @@ from ckptrun.cli.supervision.standby import Standby
 from ckptrun.runtime import collectives, records
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.records import final_losses, read_events
-from launch_helpers import COMMON, FIXTURES, Cleanup, ckptrun
+from launch_helpers import COMMON, FIXTURES, Cleanup, ckptrun, wait_for
 from workers import QUIET, run_id_for, run_job, shared_tensors
 
 NVML = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -54,8 +54,9 @@ def test_agent_and_standby_environments_carry_the_nvml_check(tmp_path: Path) -> 
     standby = Standby(_plain_env(), tmp_path / "standby.log", "nvml-check")
     agent = AttemptProcess([sys.executable, "-c", "import time; time.sleep(60)"], _plain_env(), tmp_path / "console.log")
     try:
-        assert psutil.Process(standby.pid).environ().get(NVML) == "1"
-        assert psutil.Process(agent.popen.pid).environ().get(NVML) == "1"
+        for pid in (standby.pid, agent.popen.pid):  # a child read before its exec shows no environment yet
+            environ = wait_for(lambda: psutil.Process(pid).environ(), timeout=30, what=f"pid {pid}'s environment")
+            assert environ.get(NVML) == "1", environ
     finally:
         standby.dismiss()
         agent.popen.kill()
