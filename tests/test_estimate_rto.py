@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import wait_for
+from launch_helpers import alive, wait_for
 
 from ckptrun.cli.recovery_budget import rto_components as components
 from ckptrun.cli.recovery_budget import rto_launch
@@ -388,18 +388,6 @@ def _probe_processes(estimator: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    """Those of ``processes`` still running (pid reuse ruled out by psutil's create time check)."""
-    alive = []
-    for process in processes:
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(process)
-        except psutil.Error:
-            continue
-    return alive
-
-
 @pytest.mark.timeout(180)
 def test_a_sigkilled_estimator_leaves_no_relaunch_process(trained: Path, tmp_path: Path) -> None:
     """The estimator's relaunches are supervised by it (its pid in C1): SIGKILL it while its no-op relaunch
@@ -420,8 +408,8 @@ def test_a_sigkilled_estimator_leaves_no_relaunch_process(trained: Path, tmp_pat
         assert estimator.poll() is None and relaunch, (tmp_path / "estimate.log").read_text()[-2000:]
         estimator.kill()
         estimator.wait()
-        wait_for(lambda: not _alive(relaunch), timeout=20, what="the probe's processes to exit")
+        wait_for(lambda: not any(alive(p) for p in relaunch), timeout=20, what="the probe's processes to exit")
     finally:
         estimator.kill()
-        for process in _alive(relaunch):
+        for process in filter(alive, relaunch):
             process.kill()

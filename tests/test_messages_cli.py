@@ -357,34 +357,23 @@ def test_only_the_leaders_node_appends_to_the_shared_events_file(tmp_path: Path)
     assert [r["step"] for r in read_events(run_dir, "node1_rank")] == [3]
 
 
-WRITE_FATAL = """import sys
-from pathlib import Path
-from ckptrun.runtime.records import write_fatal
-write_fatal(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], 4)
-"""
-
-
-def test_a_fatal_record_of_a_rank_on_another_node_lands_in_its_nodes_file(tmp_path: Path) -> None:
+def test_a_fatal_record_of_a_rank_on_another_node_lands_in_its_nodes_file(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """fatal.json has one writer node too: node 0's ranks write the shared file, a rank of node 1 (C1's
-    CKPTRUN_NODE) writes nodes/node-1/fatal.json, and the supervisor's reader sees both, newest last."""
-    import os
-    import subprocess
-    import sys
-
+    CKPTRUN_NODE, read at each write) writes nodes/node-1/fatal.json, and the supervisor's reader sees both,
+    newest last."""
     from ckptrun.cli.progress import Progress
     from ckptrun.cli.supervision.rundir import RunPaths
     from ckptrun.cli.supervision.spec import LaunchSpec
     from ckptrun.cli.supervision.world import LocalWorld
-    from ckptrun.runtime.records import NODE_VARIABLE, read_fatal, read_jsonl
+    from ckptrun.runtime.records import NODE_VARIABLE, read_fatal, read_jsonl, write_fatal
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     world = LocalWorld(LaunchSpec(), "r", RunPaths(run_dir), run_dir / "checkpoints", [], Progress())
-    (tmp_path / "fatal.py").write_text(WRITE_FATAL)
-    base = {k: v for k, v in os.environ.items() if k != NODE_VARIABLE}
     for node, rank, reason in (("0", 0, "leader refused"), ("1", 3, "node 1 refused")):
-        subprocess.run([sys.executable, str(tmp_path / "fatal.py"), str(run_dir), str(rank), reason],
-                       env={**base, NODE_VARIABLE: node}, check=True, timeout=60)
+        monkeypatch.setenv(NODE_VARIABLE, node)  # as C1 gives a rank of that node
+        write_fatal(run_dir, rank, reason, 4)
     shared = [r["reason"] for r in read_jsonl(run_dir / "fatal.json")]
     local = [r["reason"] for r in read_jsonl(run_dir / "nodes" / "node-1" / "fatal.json")]
     assert (shared, local) == (["leader refused"], ["node 1 refused"])

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_helpers import (COMMON, FIXTURES, Cleanup, assert_no_processes, ckptrun, events, one, run_processes, start,
-                            tail, wait_for)
+from launch_helpers import (COMMON, FIXTURES, PLAIN_EXIT_ALLOWANCE, Cleanup, assert_no_processes, ckptrun, events, one,
+                            run_processes, start, tail, wait_for)
 
 from ckptrun.runtime.worker.bootstrap import names_runtime
 from ckptrun.runtime.env import variable
@@ -126,9 +126,7 @@ def test_a_bad_script_argument_fails_once_and_shows_the_argparse_error(tmp_path:
 def test_a_killed_rank_restarts_and_the_script_completes_from_its_own_file(tmp_path: Path, cleanup: Cleanup) -> None:
     run_dir, out = cleanup.run_dir(tmp_path / "runs" / "kill"), tmp_path / "out"
     faults = "kill:rank=1:step=7;kill-during-save:rank=0"
-    # a wide heartbeat allowance: a plain script is silent from its last throttled step beat to its exit beat, and a
-    # loaded machine's DDP/gloo teardown once took over 5 s there (a hang, then a third attempt; nothing here is one)
-    result = ckptrun("launch", *COMMON, "--heartbeat-timeout", "30", "--name", "kill", "--inject-fault", faults, SCRIPT,
+    result = ckptrun("launch", *COMMON, *PLAIN_EXIT_ALLOWANCE, "--name", "kill", "--inject-fault", faults, SCRIPT,
                      "--out", str(out), "--steps", "20", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("does not use ckptrun.runtime") == 1

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import (ONE_RANK_JOB, ONE_RANK_STEPS, Cleanup, assert_losses_equal, assert_no_processes, ckptrun,
-                            events, one, run_id, start, tail, wait_for)
+from launch_helpers import (ONE_RANK_JOB, ONE_RANK_STEPS, Cleanup, alive, assert_losses_equal, assert_no_processes,
+                            ckptrun, events, one, run_id, start, tail, wait_for)
 
 from ckptrun.cli.supervision.attempt import WARM_PIDS
 from ckptrun.cli.supervision.standby import STANDBY_MODULE
@@ -55,13 +55,6 @@ def warm_ranks(run_dir: Path, attempt: int) -> dict[int, int]:
     """Rank → pid of the attempt's forked ranks, from their pid files (empty: the ranks were not forked)."""
     folder = run_dir / "logs" / f"attempt-{attempt}" / WARM_PIDS
     return {facts["rank"]: facts["pid"] for facts in (json.loads(p.read_text()) for p in folder.glob("rank-*.json"))}
-
-
-def alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def pid_alive(pid: int) -> bool:
