@@ -6,13 +6,14 @@ the manifest and the directory layout, not what the tensors mean.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 from pathlib import Path
 
 import ckptrun.runtime.storage.store as store
-from ckptrun.runtime.hashing import hash_file
-from ckptrun.runtime.manifest import MANIFEST_NAME, FileEntry, Manifest
+from ckptrun.runtime.hashing import chunks_digest, hash_file
+from ckptrun.runtime.manifest import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, read_manifest
 
 RUN_ID = "test-run"
 
@@ -39,6 +40,26 @@ def make_snapshot(
     manifest = Manifest(run_id=run_id, lineage=lineage.current, parent=parent, step=step, world_size=1, files=entries)
     store.write_manifest(temp, manifest)
     return store.publish(temp, step)
+
+
+def make_chunked_snapshot(ckpt_dir: Path, step: int, parent: str | None = None, chunk: int = 512) -> Path:
+    """A snapshot whose DCP data file has chunk digests (schema 3): a pre-load check of it reads sizes only,
+    because the loader hashes every chunk it reads (``Manifest.verified_as_loaded``)."""
+    path = make_snapshot(ckpt_dir, step, {**default_files(step), "dcp/__0_0.distcp": bytes(range(256)) * 16}, parent=parent)
+    manifest = read_manifest(path)
+    entries = []
+    for entry in manifest.files:
+        if entry.path.endswith(".distcp"):
+            data = (path / entry.path).read_bytes()
+            chunks = [Chunk(offset=o, length=min(chunk, len(data) - o),
+                            digest=hashlib.sha256(data[o:o + chunk]).hexdigest()) for o in range(0, len(data), chunk)]
+            entry = entry.model_copy(update={"chunks": chunks, "digest": chunks_digest(
+                "sha256", ((c.offset, c.length, c.digest) for c in chunks))})
+        entries.append(entry)
+    tensors = {"w": TensorEntry(shape=[1024], dtype="float32")}
+    (path / MANIFEST_NAME).write_text(manifest.model_copy(update={"files": entries, "tensors": tensors}).model_dump_json())
+    assert read_manifest(path).verified_as_loaded
+    return path
 
 
 def make_temp_dir(ckpt_dir: Path, step: int, suffix: str = "abc123") -> Path:

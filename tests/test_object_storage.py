@@ -26,6 +26,7 @@ from ckptrun.runtime.checkpoint.tiering import LOCAL, REMOTE, choose
 from ckptrun.runtime.checkpoint.verify import verify_remote_dir
 from ckptrun.cli import store_location
 from s3_server import S3Server, free_port, start_server
+from snapshot_factory import flip_byte
 from workers import run_id_for, run_job, shared_tensors
 
 FAST = ("--num-workers", "0", "--hidden", "128")
@@ -262,6 +263,27 @@ def test_tiered_restart_uses_the_local_copy_else_s3_both_exact(tmp_path, s3, ref
     assert source["source"] == (REMOTE if cache_lost else LOCAL) and source["step"] == 5, source
     assert_same_losses(run_dir, reference)
     assert committed(url) == [5, 10, 12]
+
+
+@pytest.mark.timeout(180)
+def test_a_local_copy_damaged_at_load_is_fetched_again_from_s3_and_the_resume_is_exact(tmp_path, s3, reference,
+                                                                                      killed_tiered):
+    """Issue 24 item 6: the local copy of step 5 has a flipped byte. The restore takes it on sizes (no hash
+    before the load), the load catches the chunk, the copy is set aside and step 5 downloaded again: the
+    resume is exact from step 5, not from step 0 (there is no older snapshot). Before: the copy was hashed
+    whole before the load."""
+    run_dir, url = tmp_path / "run", copy_bucket(killed_tiered[1], s3)
+    shutil.copytree(killed_tiered[0], run_dir)
+    flip_byte(run_dir / "cache" / "step-000000005" / "dcp" / "__0_0.distcp")
+    resumed = job(run_dir, url, ckpt_dir=run_dir / "cache", local_cache=True, attempt=2, run_id=run_id_for(killed_tiered[0]))
+    assert resumed.returncode == 0, resumed.stderr
+    sources = [(e["source"], e["step"]) for e in read_events(run_dir, "restore_source") if e.get("attempt", 2) == 2][-2:]
+    assert sources == [(LOCAL, 5), (REMOTE, 5)], sources
+    failed, = [e for e in read_events(run_dir, "restore_failed") if e.get("attempt") == 2]
+    assert "DigestMismatch" in failed["reason"], failed
+    set_aside, = [e for e in read_events(run_dir, "snapshot_quarantined") if e.get("attempt") == 2]
+    assert (set_aside["tier"], set_aside["cause"]) == (LOCAL, "digest") and Path(set_aside["moved_to"]).is_dir()
+    assert_same_losses(run_dir, reference)
 
 
 # --- failures ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from snapshot_factory import make_snapshot
+from snapshot_factory import make_chunked_snapshot, make_snapshot
 from supervisor_helpers import T0, ScriptedWorld, supervisor, training
 
 from ckptrun.cli.errors import CkptrunError
@@ -31,6 +31,7 @@ from ckptrun.runtime.storage import store
 from ckptrun.runtime.storage.store import snapshot_name
 from ckptrun.runtime.storage.store_backend import LocalStore
 from ckptrun.runtime.checkpoint.tiering import choose
+from ckptrun.runtime.checkpoint.verify import verify_snapshot
 from ckptrun.runtime.storage.transfer import Retry, StoreUnavailable, copy_snapshot
 
 ONCE = Retry(attempts=1)
@@ -58,11 +59,11 @@ def memory_store(kind: type[FsspecStore] = OutageStore) -> FsspecStore:
     return kind(StoreUrl("memory", f"bucket-{uuid.uuid4().hex[:8]}/ckpt"))
 
 
-def upload(tmp: Path, remote: FsspecStore, steps: list[int]) -> None:
+def upload(tmp: Path, remote: FsspecStore, steps: list[int], make=make_snapshot) -> None:
     """Snapshots of one lineage, each the parent of the next, committed on ``remote``."""
     local, parent = tmp / "writer", None
     for step in steps:
-        make_snapshot(local, step, parent=parent)
+        make(local, step, parent=parent)
         parent = snapshot_name(step)
     source = LocalStore(local)
     for item in source.published():
@@ -319,3 +320,34 @@ def test_a_snapshot_the_ranks_quarantined_as_poisoned_is_skipped_on_the_store_no
     store.quarantine(source.newest().path, "poisoned", "loss nan at step 11")
     source.refuse_poisoned([{"event": "snapshot_quarantined", "cause": "poisoned", "moved_to": str(moved)}])
     assert (source.newest().step, source.newest_step()) == (5, 5)
+
+
+# --- issue 24 item 6: a tiered restore hashes each byte once; a damaged local copy is fetched again ----
+
+
+def test_a_restart_checks_the_local_copy_by_sizes_and_a_copy_damaged_at_load_is_fetched_again(tmp_path):
+    """The supervisor's choice for a restart: the local copy of a chunked snapshot is taken on its manifest and
+    sizes (the load hashes every chunk as it reads it, so the bytes are hashed once, not twice); when the
+    load then finds a chunk that fails its digest, the copy is set aside and the same step downloaded again
+    (hashed as it streams), not skipped for the older one; damage the store shares falls back to it.
+    Before: the local copy was hashed whole before the load, and a digest failure refused the step."""
+    remote, events = memory_store(), []
+    upload(tmp_path, remote, [5, 10], make=make_chunked_snapshot)
+    source = SnapshotSource(tmp_path / "cache", remote, lambda _: None, lambda name, **f: events.append(f), ONCE)
+    assert source.newest().step == 10 and events[-1]["source"] == "remote"
+    copy = tmp_path / "cache" / snapshot_name(10)
+    data = bytearray((copy / "dcp/__0_0.distcp").read_bytes())
+    data[700] ^= 0x01
+    (copy / "dcp/__0_0.distcp").write_bytes(bytes(data))
+    restored = source.newest()
+    assert (restored.path, restored.step, events[-1]["source"]) == (copy, 10, "local-cache"), events[-1]
+    assert "bytes verified at load" in events[-1]["reason"]
+    found_at_load = "rank 0: DigestMismatch: dcp/__0_0.distcp bytes 512..1024 (tensor 'w'): sha256 ab…, manifest says cd…"
+    source.quarantine(restored.path, "corrupt", found_at_load)
+    fetched = source.newest()
+    assert (fetched.step, events[-1]["source"]) == (10, "remote"), "the same step again, from the store"
+    assert verify_snapshot(fetched.path).ok, "the fresh download holds the store's good bytes"
+    source.quarantine(fetched.path, "corrupt", found_at_load)  # a second failure of that step: its bytes are refused
+    assert source.newest().step == 5
+    source.quarantine(source.newest().path, "unloadable", "rank 0: KeyError: 'w'")  # not a digest: refused at once
+    assert source.newest() is None

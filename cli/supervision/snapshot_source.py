@@ -8,7 +8,9 @@ verified local copy when it is the same snapshot, else downloaded into the
 local directory with every object hashed (:mod:`ckptrun.runtime.checkpoint.tiering`); a
 ``restore_source`` event says which and why. Either way the workers load a
 local directory. A snapshot the workers could not load is skipped on the
-store too (by its manifest digest), so is one the ranks quarantined as
+store too (by its manifest digest) — except a local copy whose bytes failed
+their digest at load: the copy is damaged, so the same snapshot is downloaded
+again, once (:func:`tiering.damaged_copy`) — so is one the ranks quarantined as
 poisoned (its values blamed right after the restore), and a fork — a resumed attempt that
 diverged — writes the store's fork marker instead of moving directories.
 
@@ -31,7 +33,7 @@ from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import ManifestError, read_manifest
 from ckptrun.runtime.storage.remote_store import FsspecStore
 from ckptrun.runtime.storage.store_backend import manifest_digest
-from ckptrun.runtime.checkpoint.tiering import choose, listed_candidates
+from ckptrun.runtime.checkpoint.tiering import Choice, choose, damaged_copy, listed_candidates
 from ckptrun.runtime.storage.transfer import Retry, describe
 from ckptrun.runtime.checkpoint.verify import newest_verified
 
@@ -47,6 +49,8 @@ class SnapshotSource:
                  event: Callable[..., None], retry: Retry = Retry()) -> None:
         self.ckpt_dir, self.remote, self.say, self.event, self.retry = ckpt_dir, remote, say, event, retry
         self.refused: set[str] = set()  # manifest digests of snapshots that did not load
+        self.refetched: set[str] = set()  # digests whose damaged local copy was set aside for a fresh download
+        self.chosen: dict[str, Choice] = {}  # the store choices handed to attempts, by local path
 
     def newest(self) -> Snapshot | None:
         started = time.monotonic()
@@ -54,12 +58,13 @@ class SnapshotSource:
             report = newest_verified(self.ckpt_dir, log=self.say, at_load=True)
             return Snapshot(report.path, report.step, time.monotonic() - started) if report else None
         try:
-            choice = choose(self.remote, self.ckpt_dir, self.say, self.refused, self.retry)
+            choice = choose(self.remote, self.ckpt_dir, self.say, self.refused, self.retry, at_load=True)
         except Exception as exc:  # noqa: BLE001 - listing or downloading failed after retries: unknown, not none
             raise self._unavailable(exc) from exc
         if choice is None:
             return None
         self.event("restore_source", **choice.event_fields())
+        self.chosen[str(choice.path)] = choice
         return Snapshot(choice.path, choice.step, time.monotonic() - started)
 
     def newest_step(self) -> int | None:
@@ -82,7 +87,11 @@ class SnapshotSource:
 
     def quarantine(self, snapshot: Path, status: str, reason: str) -> Path:
         digest = _digest(snapshot)
-        if digest is not None:
+        choice = self.chosen.get(str(snapshot))
+        if digest is not None and choice is not None and damaged_copy(choice.source, reason) and digest not in self.refetched:
+            self.refetched.add(digest)
+            self.say(f"the local copy of step {choice.step} is damaged; the restart fetches it again from {choice.remote}")
+        elif digest is not None:
             self.refused.add(digest)
         return store.quarantine(snapshot, status, reason)
 

@@ -5,7 +5,11 @@ locally first and uploads it in the background, so after a crash the node
 usually holds the newest snapshot already. The remote manifests are the
 truth: the newest committed prefix of the current line (:func:`remote_store.chain`)
 is the candidate; the local copy is used when its manifest is the same
-(:func:`store_backend.manifest_digest`) and every byte of it verifies.
+(:func:`store_backend.manifest_digest`) and every byte of it verifies. A restart
+(``at_load``) checks the copy's manifest and sizes here and leaves the bytes to
+the load, which hashes every chunk as it reads it: each byte hashed once. A
+copy that then fails its digest at load is set aside and the same snapshot
+downloaded again (the store's bytes may be good; :func:`refetch_after`).
 Otherwise — no local copy (a lost node, a staging-only run), a local copy
 that does not verify — the prefix is downloaded into the local directory,
 every object hashed against its manifest as it streams; a mismatch refuses
@@ -82,10 +86,12 @@ def listed_candidates(remote: FsspecStore, skip: frozenset[str] | set[str] = fro
 
 
 def choose(remote: FsspecStore, cache: Path, log: Callable[[str], None] = lambda _: None,
-           skip: frozenset[str] | set[str] = frozenset(), retry: Retry = Retry(), threads: int = 8) -> Choice | None:
+           skip: frozenset[str] | set[str] = frozenset(), retry: Retry = Retry(), threads: int = 8,
+           at_load: bool = False) -> Choice | None:
     """The newest snapshot of the current line that verifies, as a local directory, saying why newer ones were
     skipped. None only when the line has no committed snapshot that verifies; :class:`StoreUnavailable` when
-    the store fails (listing, or downloading the candidate)."""
+    the store fails (listing, or downloading the candidate). ``at_load``: the caller loads the choice, which
+    hashes a chunked snapshot's bytes as it reads them, so a local copy is checked by manifest and sizes."""
     local = LocalStore(cache)
     candidates, listing = listed_candidates(remote, skip, retry, log)
     for snapshot in candidates:
@@ -95,7 +101,7 @@ def choose(remote: FsspecStore, cache: Path, log: Callable[[str], None] = lambda
         if problems:
             log(f"skipping {where}: objects changed after its manifest ({'; '.join(problems[:3])})")
             continue
-        copy, why = _local_copy(local, snapshot, log)
+        copy, why = _local_copy(local, snapshot, log, at_load)
         if copy is not None:
             return Choice(copy, snapshot.step, LOCAL, why, where, snapshot.digest, time.monotonic() - started,
                           snapshot.manifest.total_bytes)
@@ -113,20 +119,30 @@ def choose(remote: FsspecStore, cache: Path, log: Callable[[str], None] = lambda
     return None
 
 
-def _local_copy(local: LocalStore, snapshot: Published, log: Callable[[str], None]) -> tuple[Path | None, str]:
+def _local_copy(local: LocalStore, snapshot: Published, log: Callable[[str], None],
+                at_load: bool) -> tuple[Path | None, str]:
     """The local copy of ``snapshot`` when it verifies (path, why); else (None, why the store is used)."""
     copy = local.find(snapshot.digest)
     if copy is None:
         return None, f"no local copy of step {snapshot.step} in {local.where}"
-    report = verify_snapshot(Path(copy.where))
+    report = verify_snapshot(Path(copy.where), at_load=at_load)
     if not report.ok:
         return None, f"the local copy {copy.where} does not verify ({'; '.join(report.problems[:2])})"
+    if report.deferred:
+        log(f"using local copy {copy.where}: manifest and sizes match {snapshot.name}, every byte verified as it loads")
+        return Path(copy.where), f"the local copy matches the remote manifest {snapshot.name} (bytes verified at load)"
     log(f"using local copy {copy.where}: verified {report.bytes} bytes, matches {snapshot.name}")
     return Path(copy.where), f"the local copy verifies and matches the remote manifest {snapshot.name}"
 
 
+def damaged_copy(choice_source: str, reason: str) -> bool:
+    """A local copy whose bytes failed their digest at load (``reason`` names a ``DigestMismatch``): the copy is
+    damaged, not necessarily the snapshot, so the same snapshot is fetched again from the store, once."""
+    return choice_source == LOCAL and "DigestMismatch" in reason
+
+
 def choose_for_worker(remote: FsspecStore, cache: Path, run_dir: Path, skip_names: set[str],
-                      log: Callable[[str], None]) -> Path | None:
+                      log: Callable[[str], None]) -> Choice | None:
     """Rank 0 under plain torchrun: the snapshot to load, recording where it came from (``restore_source``)."""
     from ckptrun.runtime import records
     from ckptrun.runtime.manifest import ManifestError, read_manifest
@@ -139,11 +155,11 @@ def choose_for_worker(remote: FsspecStore, cache: Path, run_dir: Path, skip_name
         except ManifestError:
             continue
     try:
-        choice = choose(remote, cache, log, skip)
+        choice = choose(remote, cache, log, skip, at_load=True)
     except Exception as exc:  # noqa: BLE001 - the store failed: which snapshot is newest, or its bytes, is unknown
         print(f"error: cannot restore from {remote.where}: {describe(exc)}", file=sys.stderr, flush=True)
         print("hint: check the endpoint and credentials (environment, ~/.aws, --storage-option)", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     if choice is not None:
         records.log_event(run_dir, "restore_source", **choice.event_fields())
-    return choice.path if choice else None
+    return choice

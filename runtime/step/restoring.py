@@ -52,6 +52,8 @@ class Restoring:
     parent: str | None
     saved_step: int | None
     restored_from: Path | None
+    _chosen_source: str | None = None  # tiering.LOCAL / REMOTE for a store run's choice, None for a local dir
+    _refetched: set[str] = set()  # replaced per restore: never mutated here
     saver: Any  # checkpoint.saver.Saver
     anomalies: Any  # step.anomaly.AnomalyDetector
     memory: Any  # checkpoint.memory_tier.MemoryTier
@@ -72,6 +74,7 @@ class Restoring:
         """
         self.heart.beat(self.step, "restore")
         skipped: set[str] = set()
+        self._refetched: set[str] = set()  # local copies that failed at load and were fetched again (once each)
         while True:
             chosen = self._choose_snapshot(skipped)
             if chosen is None:
@@ -87,7 +90,8 @@ class Restoring:
                 loaded = self._load(chosen)
             except snapshot.LoadError as exc:
                 self._restore_failed(chosen, str(exc))
-                skipped.add(chosen.name)
+                if not self._refetch(chosen, str(exc)):
+                    skipped.add(chosen.name)
                 continue
             self._apply(loaded)
             self.restored_from, self.parent, self.saved_step = chosen, chosen.name, self.step
@@ -113,6 +117,22 @@ class Restoring:
         if self.env.resume_from is not None:
             self._refuse(f"snapshot {path} named for this attempt does not load: {reason}", EXIT_FAILED, fatal=False)
 
+    def _refetch(self, path: Path, reason: str) -> bool:
+        """A tiered run's local copy that failed its digest at load is set aside (rank 0 moves it to quarantine)
+        and the same snapshot is downloaded again from the store, whose objects are hashed as they stream:
+        once per snapshot, so damage the store shares falls back to the older one. Every rank decides alike
+        (the load failure is agreed; the source is broadcast with the choice)."""
+        if not tiering.damaged_copy(self._chosen_source, reason) or path.name in self._refetched:
+            return False
+        self._refetched.add(path.name)
+        if self.rank == 0 and path.is_dir():
+            moved = store.quarantine(path, "corrupt", reason)
+            records.log_event(self.run_dir, "snapshot_quarantined", attempt=self.env.attempt, snapshot=str(path),
+                              status="corrupt", cause="digest", tier=tiering.LOCAL, reason=reason, moved_to=str(moved))
+            print(f"ckptrun: the local copy of {path.name} failed its digest at load: set aside in {moved}, "
+                  f"fetching it again from {self.saver.remote.where}", file=sys.stderr, flush=True)
+        return True
+
     def _choose_snapshot(self, skipped: set[str]) -> Path | None:
         if self.env.resume_from is not None:
             return self.env.resume_from
@@ -122,16 +142,16 @@ class Restoring:
 
     def _newest_verified(self, skipped: set[str]) -> Path | None:
         """Rank 0 verifies and picks, every rank gets its choice (ranks must agree on what they load)."""
-        choice = None
+        choice, source = None, None
         if self.rank == 0 and self.saver.remote is not None:  # an object store: its manifests decide (runtime.tiering)
             found = tiering.choose_for_worker(self.saver.remote, self.ckpt_dir, self.run_dir, skipped,
                                               log=lambda line: print(f"ckptrun: {line}", file=sys.stderr))
-            choice = str(found) if found else None
+            choice, source = (str(found.path), found.source) if found else (None, None)
         elif self.rank == 0:
             report = newest_verified(self.ckpt_dir, log=lambda line: print(f"ckptrun: {line}", file=sys.stderr), skip=skipped,
                                      at_load=True)  # chunked snapshots: sizes here, every byte verified as loaded
             choice = str(report.path) if report else None
-        choice = collectives.broadcast_object(choice)
+        choice, self._chosen_source = collectives.broadcast_object((choice, source))
         return Path(choice) if choice else None
 
     def _note_unloadable(self, path: Path, reason: str) -> None:
