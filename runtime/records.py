@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 EVENTS = "events.jsonl"
 METRICS = "metrics.jsonl"
+OWN_LOSSES = "losses-rank0.jsonl"  # rank 0's own loss, a line as each step ends: what a resume is checked against
 HEARTBEATS = "heartbeats"
 LOGS = "logs"
 FATAL = "fatal.json"

@@ -80,7 +80,35 @@ def test_resume_watch_settles_after_the_replay_and_the_throughput_window() -> No
         assert watch.decided() == (step >= 12) and watch.settled() == (position >= 25)
     assert watch.state() == EXACT
     assert watch.fields() == {"resume_verdict": EXACT, "resume_max_rel_diff": 0.0, "replayed_steps": 2,
-                              "resume_tolerance": None, "throughput_ratio": pytest.approx(1.0)}
+                              "resume_tolerance": None, "resume_compared": "mean loss",
+                              "throughput_ratio": pytest.approx(1.0)}
+
+
+def test_a_crash_before_its_batch_was_shared_is_checked_on_rank_0s_own_losses() -> None:
+    """Issue 26 item 4: the failed attempt's mean lines stop at the last shared batch (step 10), but rank 0 wrote
+    its own loss as each step ended (11-13): the resume is judged on those, like with like, and a replayed
+    own loss that differs by one ulp is caught. Before: "no replayed step to compare"."""
+    log = StepLog()
+    for step in range(1, 14):
+        log.add({"step": step, "loss": float(step), "own": True})
+        if step <= 10:
+            log.add({"step": step, "loss": step / 2, "time": float(step)})
+    log.saved(10)
+    assert log.after(10) == {} and log.own_after(10) == {11: 11.0, 12: 12.0, 13: 13.0}
+    watch = ResumeWatch(log.after(10), list(log.recent), True, log.own_after(10))
+    for step in (11, 12, 13):
+        assert watch.state() == "checking"
+        watch.add({"step": step, "loss": float(step), "own": True})
+        watch.add({"step": step, "loss": step / 2, "time": float(step)})  # no original mean: ignored
+    fields = watch.fields()
+    assert (fields["resume_verdict"], fields["replayed_steps"], fields["resume_compared"]) == (EXACT, 3, "rank 0's own loss")
+    drifted = ResumeWatch({}, [], True, {11: 11.0, 12: 12.0})
+    drifted.add({"step": 11, "loss": math.nextafter(11.0, 12.0), "own": True})
+    assert drifted.decided() and drifted.state() == DIVERGED
+    resharded = ResumeWatch({11: 5.5}, [], True, {11: 11.0}, resharded=True, precision="fp32")
+    resharded.add({"step": 11, "loss": 99.0, "own": True})  # rank 0 ran other batches: its own loss is not judged
+    resharded.add({"step": 11, "loss": 5.5, "time": 1.0})
+    assert resharded.verdict().verdict == WITHIN and resharded.fields()["resume_compared"] == "mean loss"
 
 
 def test_resume_watch_diverges_at_the_first_differing_step() -> None:

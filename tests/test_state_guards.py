@@ -17,6 +17,7 @@ import torch
 from ckptrun.runtime.checkpoint.staging import first_nonfinite
 from ckptrun.runtime.checkpoint.verify import verify_snapshot
 from ckptrun.runtime.env import RunEnv
+from ckptrun.runtime.manifest import read_manifest
 from ckptrun.runtime.records import final_losses, read_events
 from ckptrun.runtime.step.finite_watch import FiniteWatch, limit_for
 from ckptrun.runtime.step.precision import Policy, resolve
@@ -134,6 +135,27 @@ def test_save_overlap_skip_with_one_slow_rank_completes_and_every_rank_skips_the
     assert saved[-1] == 60 and len(saved) > 2 and set(saved) & set(by_rank[0]) <= {60}, "a final save is never skipped"
 
     assert all(verify_snapshot(path).ok for path in published(run_dir / "checkpoints").values())
+
+
+@pytest.mark.timeout(240)
+def test_a_scripts_own_saves_go_through_the_same_agreement_as_the_cadences(tmp_path):
+    """Issue 24 item 5: the script calls ``run.save()`` every 3 steps while the policy saves every 5 (async), so
+    steps 15 and 30 are due twice. Every save is agreed by both ranks (no deadlock, none failed or skipped),
+    lands on its step boundary once, publishes a snapshot that verifies, and the parent chain follows the
+    saves in order on every rank (``saved_step`` moves at the same step everywhere)."""
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, nproc=2, script=STATE_JOB, args=("--steps", "30", "--own-save-every", "3"),
+                     save_every_steps=5, keep_last=20, timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not read_events(run_dir, "save_failed") and not read_events(run_dir, "save_skipped")
+    saved = [e["step"] for e in read_events(run_dir, "snapshot_saved")]
+    due = sorted({s for s in range(1, 31) if s % 3 == 0 or s % 5 == 0})
+    assert saved == due, saved
+    snapshots = published(run_dir / "checkpoints")
+    assert sorted(snapshots) == [store.snapshot_name(s) for s in due]
+    assert all(verify_snapshot(path).ok for path in snapshots.values())
+    parents = [read_manifest(snapshots[store.snapshot_name(s)]).parent for s in due]
+    assert parents == [None] + [store.snapshot_name(s) for s in due[:-1]], parents
 
 
 @pytest.mark.timeout(300)

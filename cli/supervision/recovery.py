@@ -112,7 +112,7 @@ class Recovery:
     def restarting(self, snapshot_step: int | None) -> None:
         """The watched attempt failed: its steps after ``snapshot_step`` are the originals of the next one."""
         self.resume = ResumeWatch(self.steps.after(snapshot_step or 0), list(self.steps.recent),
-                                  self.options.deterministic)
+                                  self.options.deterministic, self.steps.own_after(snapshot_step or 0))
         self.estimated_s = self.estimate.get("rto_s") if self.estimate else None
 
     def resharded(self) -> None:
@@ -123,7 +123,7 @@ class Recovery:
     def batch_changed(self) -> None:
         """The watched attempt runs another global batch (a node came or went): its losses are not comparable."""
         if self.resume is not None:
-            self.resume.original, self.resume.missing = {}, set()
+            self.resume.original, self.resume.own_original = {}, {}
 
     def diverged(self) -> bool:
         return self.resume is not None and self.resume.diverged_early

@@ -1,8 +1,14 @@
 """Was the resume whole? The replayed steps' losses against the failed attempt's, and throughput after vs before.
 
 The steps between the snapshot and the failure ran twice: once before the
-crash and again after the restore, and ``metrics.jsonl`` holds both losses
-(each record names its ``attempt``). In deterministic mode they must be equal
+crash and again after the restore, and the run dir holds both losses (each
+record names its ``attempt``): rank 0's own loss, a line as each step ends
+(``records.OWN_LOSSES``, marked ``own``), and the mean over ranks in
+``metrics.jsonl``, written only once a batch of steps is shared, so a crash
+usually takes the last batch's. Rank 0's own losses are compared when the
+failed attempt left them (like with like: the same rank, the same batches);
+a resume at another world size gives rank 0 other batches, so it is judged
+on the means. In deterministic mode they must be equal
 bit for bit — anything else means some state (an RNG, the data position, the
 optimizer) was not restored: verdict ``exact`` or ``diverged``. A run
 declared non-deterministic, or a resume at another world size (its per-rank
@@ -87,14 +93,15 @@ def throughput_ratio(before: list[float], after: list[float]) -> float | None:
 class StepLog:
     """One attempt's step records, bounded: losses since the second-newest snapshot, the last step times."""
 
-    losses: dict[int, float] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)  # the mean over ranks (metrics.jsonl)
+    own: dict[int, float] = field(default_factory=dict)  # rank 0's own (records.OWN_LOSSES)
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=BEFORE_STEPS + 1))
     snapshots: list[int] = field(default_factory=list)
 
     def add(self, record: dict[str, Any]) -> None:
         if isinstance(record.get("loss"), (int, float)) and "step" in record:
-            self.losses[int(record["step"])] = float(record["loss"])
-        if isinstance(record.get("time"), (int, float)):
+            (self.own if record.get("own") else self.losses)[int(record["step"])] = float(record["loss"])
+        if isinstance(record.get("time"), (int, float)) and not record.get("own"):
             self.recent.append(float(record["time"]))
 
     def saved(self, step: int) -> None:
@@ -104,46 +111,64 @@ class StepLog:
         self.snapshots = (self.snapshots + [step])[-2:]
         if len(self.snapshots) == 2:
             self.losses = {s: v for s, v in self.losses.items() if s > self.snapshots[0]}
+            self.own = {s: v for s, v in self.own.items() if s > self.snapshots[0]}
 
     def after(self, step: int) -> dict[int, float]:
         return {s: v for s, v in self.losses.items() if s > step}
+
+    def own_after(self, step: int) -> dict[int, float]:
+        return {s: v for s, v in self.own.items() if s > step}
 
 
 @dataclass
 class ResumeWatch:
     """A restarted attempt, step by step: the replayed losses and the first steps' times."""
 
-    original: dict[int, float]  # the failed attempt's losses after the snapshot step
+    original: dict[int, float]  # the failed attempt's mean losses after the snapshot step
     before: list[float]  # the failed attempt's last step times
     deterministic: bool
+    own_original: dict[int, float] = field(default_factory=dict)  # its rank 0's own losses after the snapshot
     replayed: dict[int, float] = field(default_factory=dict)
+    own_replayed: dict[int, float] = field(default_factory=dict)
     times: list[float] = field(default_factory=list)  # this attempt's first AFTER_LAST step times
     precision: str | None = None
     diverged_early: bool = False  # some replayed step already differs beyond what the mode allows
-    missing: set[int] = field(default_factory=set)  # original steps not replayed yet
-    resharded: bool = False  # restored at another world size: never judged bitwise
-
-    def __post_init__(self) -> None:
-        self.missing = set(self.original)
+    resharded: bool = False  # restored at another world size: never judged bitwise, nor on rank 0's own losses
 
     @property
     def bitwise(self) -> bool:
         return self.deterministic and not self.resharded
 
+    @property
+    def by_own(self) -> bool:
+        """Judged on rank 0's own losses: the failed attempt left them, and rank 0 runs the same batches."""
+        return bool(self.own_original) and not self.resharded
+
+    def _judged(self) -> tuple[dict[int, float], dict[int, float]]:
+        return (self.own_original, self.own_replayed) if self.by_own else (self.original, self.replayed)
+
+    @property
+    def missing(self) -> set[int]:
+        """Original steps (of the losses judged) not replayed yet."""
+        original, replayed = self._judged()
+        return set(original) - set(replayed)
+
     def add(self, record: dict[str, Any]) -> None:
-        step, loss = record.get("step"), record.get("loss")
-        if isinstance(record.get("time"), (int, float)) and len(self.times) < AFTER_LAST:
+        step, loss, own = record.get("step"), record.get("loss"), bool(record.get("own"))
+        if isinstance(record.get("time"), (int, float)) and not own and len(self.times) < AFTER_LAST:
             self.times.append(float(record["time"]))
-        self.precision = record.get("precision", self.precision)
-        if step is None or not isinstance(loss, (int, float)) or int(step) not in self.original:
+        if not own:
+            self.precision = record.get("precision", self.precision)
+        original, replayed = (self.own_original, self.own_replayed) if own else (self.original, self.replayed)
+        if step is None or not isinstance(loss, (int, float)) or int(step) not in original:
             return
-        self.missing.discard(int(step))
-        self.replayed[int(step)] = float(loss)
-        one = resume_verdict({int(step): self.original[int(step)]}, {int(step): float(loss)}, self.bitwise, self.precision)
-        self.diverged_early = self.diverged_early or one.verdict == DIVERGED
+        replayed[int(step)] = float(loss)
+        if own == self.by_own:
+            one = resume_verdict({int(step): original[int(step)]}, {int(step): float(loss)}, self.bitwise, self.precision)
+            self.diverged_early = self.diverged_early or one.verdict == DIVERGED
 
     def verdict(self) -> Verdict:
-        return resume_verdict(self.original, self.replayed, self.bitwise, self.precision)
+        return resume_verdict(*self._judged(), self.bitwise, self.precision)
 
     def decided(self) -> bool:
         """Every replayed step seen (or one already diverged)."""
@@ -174,6 +199,7 @@ class ResumeWatch:
         verdict = self.verdict()
         return {"resume_verdict": verdict.verdict, "resume_max_rel_diff": verdict.max_rel_diff,
                 "replayed_steps": verdict.replayed_steps, "resume_tolerance": verdict.tolerance,
+                "resume_compared": ("rank 0's own loss" if self.by_own else "mean loss") if verdict.verdict else None,
                 "throughput_ratio": self.throughput()}
 
 

@@ -113,6 +113,7 @@ class LocalWorld:
         self.cadence_told = False
         self.launched = 0.0
         self.metrics = JsonlTail(paths.root / records.METRICS)
+        self.own_losses = JsonlTail(paths.root / records.OWN_LOSSES)
         self.events = EventTails(paths.root)
         self.attempt_log: list[dict[str, Any]] = []
         self.first_step_time: float | None = None
@@ -153,6 +154,7 @@ class LocalWorld:
     def launch(self, attempt: int, resume_from: Path | None) -> None:
         self.attempt, self.launched = attempt, time.time()
         self.metrics, self.events = JsonlTail(self.metrics.path), EventTails(self.paths.root)
+        self.own_losses = JsonlTail(self.own_losses.path)
         self.attempt_log, self.first_step_time, self.last_metric, self.rate_base = [], None, None, None
         self.new_steps, self.attempt_snapshot = [], None
         log_dir = self.paths.attempt_logs(attempt)
@@ -205,6 +207,9 @@ class LocalWorld:
                 self.rate_base = record
             self.last_metric = record
             self.new_steps.append(record)
+        for record in self.own_losses.read():  # rank 0's own loss per step (``own``): the resume check's fallback
+            if record.get("attempt") == self.attempt and "step" in record:
+                self.new_steps.append(record)
         for record in self.events.read():
             self.attempt_log.append(record)
             if record.get("event") == "snapshot_saved":

@@ -260,6 +260,7 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
         if self.rank == 0:
             records.log_event(self.run_dir, "completed", step=self.step, attempt=self.env.attempt)
         self.metrics_log.close()
+        self.own_losses.close()
         self.heart.beat(self.step, "done")
         if collectives.active():
             dist.barrier()

@@ -4,7 +4,10 @@ facts the ranks share about it, and the save or stop they agree on.
 This is what every step pays for ckptrun, so it waits for nothing and shares
 little: a step's facts join a batch that travels every N steps in one
 all-gather the next step reads (:mod:`decisions`); the metrics lines of a
-batch are one ``write`` to a file kept open; the heartbeat is one clock read
+batch are one ``write`` to a file kept open (and rank 0 writes its own loss
+as each step ends, one more ``write``, so that a crash before the batch is
+shared still leaves the losses a resume is compared with: ``records.OWN_LOSSES``);
+the heartbeat is one clock read
 unless an interval has passed; the stop file, rank 0's save clock and the
 save results are looked at once per batch. All facts so far are shared and
 read at once — and waited for — only where every rank arrives at the same
@@ -66,6 +69,7 @@ class StepEnd:
         self.exchange = Exchange(world_size, 1 if every == "auto" else every)
         self._warmup_times: list[float] | None = [] if every == "auto" else None  # auto: agreed s/step of the warm-up
         self.metrics_log = records.JsonlAppender(self.env.run_dir / records.METRICS)
+        self.own_losses = records.JsonlAppender(self.env.run_dir / records.OWN_LOSSES)  # rank 0 only
         self._carried = (False, False)  # (stop, save) read from shared facts, to act on at the next boundary
         self._loaders: list[Any] = []  # tracked ckr.DataLoaders: a step commits what it consumed
         self.last_step_time = self._shared_at = time.monotonic()
@@ -98,6 +102,8 @@ class StepEnd:
             self._share()
         if skipped:
             return local
+        if self.rank == 0:  # one O_APPEND write, no collective: a crash before the batch is shared keeps it
+            self.own_losses.append({"step": step, "attempt": self.env.attempt, "loss": local, "own": True})
         self.step = step
         self.faults.after_optimizer_step(step, self.objects.get("model"))
         self.heart.beat(step, "train")
@@ -262,3 +268,4 @@ class StepEnd:
         if self.exchange.arrived():
             self._write_pending_line()
         self.metrics_log.close()
+        self.own_losses.close()
