@@ -117,6 +117,8 @@ class Saver:
             if refused is not None:
                 fault("done")
                 on_result(refused)
+                if collectives.world_size() > 1:  # rank 0 recorded it before any rank acts on it (and may exit)
+                    collectives.barrier(group=self.group)
                 return refused
             with pacing.paced(self.duty if background else 1.0) as pacer, (hashing.helpers(1) if background else nullcontext()):
                 persisted = persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group)
