@@ -33,7 +33,8 @@ HEARTBEATS = "heartbeats"
 LOGS = "logs"
 FATAL = "fatal.json"
 
-Phase = Literal["init", "restore", "train", "save", "done", "stopping"]
+Phase = Literal["init", "restore", "train", "save", "done", "stopping", "returned"]  # returned: a plain
+# script returned (its interpreter is exiting): what happens to the process after it is teardown, not training
 Source = Literal["runtime", "step-hook", "framework"]  # who beat: the runtime, the bootstrap's optimizer-step hook
 #   (a plain script), or a framework integration (ckptrun.integrations: Lightning, HF Trainer; its global step)
 

@@ -90,7 +90,9 @@ def test_the_step_hook_counts_steps_and_defers_to_the_runtime(tmp_path: Path) ->
     plain = bootstrap(STEPS.format(init=""), tmp_path)
     assert plain.returncode == 0, plain.stderr
     beat = read_heartbeats(tmp_path / "run")[0]
-    assert (beat.source, beat.step, beat.phase) == ("step-hook", 3, "done")  # throttled to 60 s: the exit beat has it
+    assert (beat.source, beat.step, beat.phase) == ("step-hook", 3, "returned")  # throttled to 60 s: the exit beat has it
+    failed = bootstrap(STEPS.format(init="") + "raise SystemExit(3)\n", tmp_path, **{variable("run_dir"): str(tmp_path / "failed")})
+    assert failed.returncode == 3 and read_heartbeats(tmp_path / "failed")[0].phase == "done"  # it did not return
     assert [(r["step"], r["source"]) for r in read_metrics(tmp_path / "run")] == [(1, "step-hook"), (3, "step-hook")]
     adopted = bootstrap(STEPS.format(init="import ckptrun.runtime as ckr\nrun = ckr.init()"), tmp_path,
                         **{variable("run_dir"): str(tmp_path / "adopted")})
@@ -142,6 +144,26 @@ def test_a_killed_rank_restarts_and_the_script_completes_from_its_own_file(tmp_p
     assert drawn.returncode == 0, drawn.stderr
     summary = json.loads(drawn.stdout)["summary"]
     assert (summary["restarts"], summary["failures"], summary["final_loss"]) == (1, 1, None)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_a_rank_that_aborts_in_teardown_after_the_script_returned_completes_the_run(tmp_path: Path,
+                                                                                   cleanup: Cleanup) -> None:
+    """#23 follow-up: rank 1 SIGABRTs in the interpreter's teardown after both ranks' scripts returned (a gloo
+    thread does this at exit): the run completed — exit 0, said, not relaunched, each step run once. Before:
+    counted as a crash, and the finished script was relaunched."""
+    run_dir, out = cleanup.run_dir(tmp_path / "runs" / "teardown"), tmp_path / "out"
+    result = ckptrun("launch", *COMMON, *PLAIN_EXIT_ALLOWANCE, "--name", "teardown", SCRIPT, "--out", str(out),
+                     "--steps", "8", "--abort-at-exit", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "aborted").exists(), "rank 1 did abort"
+    died = one(run_dir, "died_after_return")
+    assert died["step"] == 8 and died["exit_code"] != 0, died
+    assert "counted as completed, not relaunched" in result.stderr
+    assert len(events(run_dir, "attempt_start")) == 1 and not events(run_dir, "restart")
+    assert script_steps(out) == list(range(1, 9))
+    assert_no_processes(run_dir)
 
 
 @pytest.mark.e2e

@@ -103,6 +103,20 @@ def test_plain_script_is_told_once_watched_for_hangs_and_resumes_from_its_own_fi
     assert len(world.events("plain_script")) == 1
 
 
+@pytest.mark.parametrize("phases, relaunched", [(("returned", "returned"), False), (("returned", "train"), True)])
+def test_a_plain_script_that_dies_in_teardown_after_returning_on_every_rank_is_completed(phases, relaunched) -> None:
+    """#23 follow-up: gloo can abort a rank at interpreter exit, after the script returned (exit -6). When every
+    rank beat ``returned`` the run completed (not relaunched, exit 0, said); a rank still training is a crash.
+    Before: counted as a crash and the finished script ran again."""
+    ranks = {r: RankView(False, beat(r, 20, T0 + 9, phase=phase, source="step-hook")) for r, phase in enumerate(phases)}
+    ended = Observation(time=T0 + 10, ranks=ranks, first_step_time=T0 + 3, last_step=20, last_step_time=T0 + 9, agent_exit=-6)
+    world = ScriptedWorld({1: [plain(T0 + 4, 3, T0 + 4), ended], 2: [plain(T0 + 30, 20, T0 + 30, agent_exit=0)]})
+    outcome = supervisor(world).supervise()
+    assert outcome.code == 0 and (len(world.launches) == 2) == relaunched
+    assert bool(world.events("died_after_return")) != relaunched
+    assert any("counted as completed, not relaunched" in line for line in world.said) != relaunched
+
+
 @pytest.mark.parametrize("agent_exit, code", [(0, 3), (1, 1)])
 def test_stopping_a_plain_script_sends_sigterm_and_exits_3_only_when_it_exits_cleanly(agent_exit: int, code: int) -> None:
     world = ScriptedWorld({1: [plain(T0 + 4, 3, T0 + 4), plain(T0 + 5, 4, T0 + 5), plain(T0 + 6, 4, T0 + 5, agent_exit=agent_exit)]},

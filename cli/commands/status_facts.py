@@ -108,7 +108,7 @@ def collect(run_dir: Path, rates: StepRates, budget: float | None = None, now: f
     for row in ranks:
         if current["attempt"] is not None and row["attempt"] < current["attempt"]:
             row["flags"].append(f"from attempt {row['attempt']}")  # its rank has not beaten in this attempt yet
-        elif state in ("running", "recovering") and row["alive"] is False and row["phase"] not in ("done", "stopping"):
+        elif state in ("running", "recovering") and row["alive"] is False and row["phase"] not in ("done", "stopping", "returned"):
             row["flags"].append("dead")
     snapshot, manifest = last_snapshot(ckpt_dir_of(spec, run_dir), now, store_of(spec))
     return {

@@ -255,7 +255,7 @@ class Supervisor(Endings):
         stopped_event = bool(self.world.attempt_events("stopped"))
         if watch.state is State.STOPPING and self.plain:
             watch.state, watch.forced = State.STOPPED, obs.agent_exit != 0  # clean only if every rank exited 0
-        elif obs.agent_exit == 0 or self._crashed_after_completion(watch, obs):
+        elif obs.agent_exit == 0 or self._crashed_after_completion(watch, obs) or self._died_after_return(watch, obs):
             watch.state = State.SUCCEEDED
         elif watch.state is State.STOPPING or stopped_event:
             watch.state = State.STOPPED
@@ -270,6 +270,20 @@ class Supervisor(Endings):
 
     def _crashed_after_completion(self, watch: AttemptWatch, obs: Observation) -> bool:
         return own_checkpoints.crashed_after_completion(self.world, watch.attempt, obs.agent_exit)
+
+    def _died_after_return(self, watch: AttemptWatch, obs: Observation) -> bool:
+        """A plain script whose every rank beat ``returned`` (the bootstrap saw the script return without an
+        error) and then exited non-zero died in the interpreter's teardown — a process group's thread aborting
+        at exit ("terminate called without an active exception"): the script had finished, so the run did,
+        never relaunched (a relaunch would train a finished job again)."""
+        beats = [view.beat for view in obs.ranks.values()]
+        if not self.plain or not beats or any(b is None or b.phase != "returned" for b in beats):
+            return False
+        step = max(b.step for b in beats if b is not None)
+        self.world.event("died_after_return", attempt=watch.attempt, exit_code=obs.agent_exit, step=step)
+        self.world.say(f"warning: the script returned on every rank at step {step}, then a rank exited "
+                       f"{obs.agent_exit} in the interpreter's teardown: counted as completed, not relaunched")
+        return True
 
     def _crash_facts(self, watch: AttemptWatch, obs: Observation) -> dict[str, Any]:
         failures, agent_error = self.world.failures()

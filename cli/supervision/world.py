@@ -207,7 +207,7 @@ class LocalWorld:
                 self.rate_base = record
             self.last_metric = record
             self.new_steps.append(record)
-        for record in self.own_losses.read():  # rank 0's own loss per step (``own``): the resume check's fallback
+        for record in self.own_losses.read():  # rank 0's own loss per step (``own``): what the resume check compares
             if record.get("attempt") == self.attempt and "step" in record:
                 self.new_steps.append(record)
         for record in self.events.read():

@@ -145,9 +145,12 @@ def main(argv: list[str]) -> None:
             _run_module(argv[1], argv[2:])
         else:
             _run_script(argv[0], argv[1:])
+        step_hook.script_returned()
     except SystemExit as exc:
         if exc.code not in (None, 0):
             record_failure(exc, "run")
+        else:
+            step_hook.script_returned()
         raise
     except KeyboardInterrupt as exc:
         if id(exc) not in _recorded:

@@ -76,6 +76,7 @@ class StepHook:
         self.faults = FaultInjector(parse_faults(env.fault), rank, env.attempt)
         self.counts: dict[int, int] = {}  # per optimizer: a GAN's two optimizers make one step, not two
         self.step = self.logged = 0
+        self.returned = False  # the script returned (bootstrap): the exit beat says so
         atexit.register(self.finish)
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -99,8 +100,14 @@ class StepHook:
     def finish(self) -> None:
         """At exit: the last step counted, whatever the throttle held back."""
         if self.step and not Heartbeater.runtime_active:
-            self.heart.beat(self.step, "done")
+            self.heart.beat(self.step, "returned" if self.returned else "done", force=True)
             self._log_step()
+
+    def script_returned(self) -> None:
+        """The script returned without an error: beat ``returned`` now, before the interpreter's teardown (a
+        process group's threads can abort it, or make it slow, after the last step: not a crash, not a hang)."""
+        self.returned = True
+        self.finish()
 
 
 COUNTER = "ckptrun_step"
@@ -148,3 +155,13 @@ def register(module: ModuleType) -> None:
         return
     if env.supervised:
         module.register_optimizer_step_post_hook(hook)
+        HOOKS.append(hook)
+
+
+HOOKS: list[StepHook] = []  # the registered hook (one per process), told when the script returns
+
+
+def script_returned() -> None:
+    """Called by the bootstrap when the user's script returned (or exited 0)."""
+    for hook in HOOKS:
+        hook.script_returned()
