@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptrun.cli.errors import EXIT_NO, EXIT_STOPPED
-from ckptrun.cli.supervision.observation import Outcome, World
+from ckptrun.cli.supervision.observation import Observation, Outcome, World
 
 STARTED_OVER_HINT = ("the script did not resume from its own checkpoint: pass the flag it needs to resume with "
                      "`ckptrun launch --restart-args \"--resume\"` (added on every restart and on resume; "
@@ -82,6 +82,21 @@ def crashed_after_completion(world: World, attempt: int, exit_code: int | None) 
     world.event("crashed_after_completion", attempt=attempt, exit_code=exit_code, step=step)
     world.say(f"warning: the script exited {exit_code} after the run completed at step {step} (its final "
               "snapshot is kept; not restarted): see its log under logs/")
+    return True
+
+
+def died_after_return(world: World, attempt: int, obs: Observation) -> bool:
+    """A plain script whose every rank beat ``returned`` (the bootstrap saw the script return without an
+    error) and then exited non-zero died in the interpreter's teardown — a process group's thread aborting
+    at exit ("terminate called without an active exception"): the script had finished, so the run did,
+    never relaunched (a relaunch would train a finished job again)."""
+    beats = [view.beat for view in obs.ranks.values()]
+    if not beats or any(b is None or b.phase != "returned" for b in beats):
+        return False
+    step = max(b.step for b in beats if b is not None)
+    world.event("died_after_return", attempt=attempt, exit_code=obs.agent_exit, step=step)
+    world.say(f"warning: the script returned on every rank at step {step}, then a rank exited "
+              f"{obs.agent_exit} in the interpreter's teardown: counted as completed, not relaunched")
     return True
 
 

@@ -13,10 +13,8 @@ without saving the suspect state, exit 4).
 One loop for one node and for many: a single-node run is a many-node run of
 one node. Between attempts the loop asks its :class:`~ckptrun.cli.supervision.job.Job`:
 alone it leads itself; on many nodes the leader gathers the nodes before its
-verdict and publishes the next attempt, and a follower runs the attempt the
-leader publishes or ends with its verdict
-(:class:`ckptrun.cli.supervision.node_agent.NodeJob`). How each ending reads
-lives in :mod:`ckptrun.cli.supervision.endings`.
+verdict and publishes the next attempt, and a follower runs the attempt the leader publishes or ends with
+its verdict (:class:`ckptrun.cli.supervision.node_agent.NodeJob`). Endings: :mod:`ckptrun.cli.supervision.endings`.
 
 Everything the supervisor observes or does goes through a :class:`World`
 (launch, observe, tear down, verify, the clock, sleeping), so unit tests
@@ -255,7 +253,7 @@ class Supervisor(Endings):
         stopped_event = bool(self.world.attempt_events("stopped"))
         if watch.state is State.STOPPING and self.plain:
             watch.state, watch.forced = State.STOPPED, obs.agent_exit != 0  # clean only if every rank exited 0
-        elif obs.agent_exit == 0 or self._crashed_after_completion(watch, obs) or self._died_after_return(watch, obs):
+        elif obs.agent_exit == 0 or self._finished_before_exit(watch, obs):
             watch.state = State.SUCCEEDED
         elif watch.state is State.STOPPING or stopped_event:
             watch.state = State.STOPPED
@@ -268,22 +266,10 @@ class Supervisor(Endings):
             watch.teardown_s = self.world.now() - (watch.detected_at or obs.time)
             self._report_failure(watch)
 
-    def _crashed_after_completion(self, watch: AttemptWatch, obs: Observation) -> bool:
-        return own_checkpoints.crashed_after_completion(self.world, watch.attempt, obs.agent_exit)
-
-    def _died_after_return(self, watch: AttemptWatch, obs: Observation) -> bool:
-        """A plain script whose every rank beat ``returned`` (the bootstrap saw the script return without an
-        error) and then exited non-zero died in the interpreter's teardown — a process group's thread aborting
-        at exit ("terminate called without an active exception"): the script had finished, so the run did,
-        never relaunched (a relaunch would train a finished job again)."""
-        beats = [view.beat for view in obs.ranks.values()]
-        if not self.plain or not beats or any(b is None or b.phase != "returned" for b in beats):
-            return False
-        step = max(b.step for b in beats if b is not None)
-        self.world.event("died_after_return", attempt=watch.attempt, exit_code=obs.agent_exit, step=step)
-        self.world.say(f"warning: the script returned on every rank at step {step}, then a rank exited "
-                       f"{obs.agent_exit} in the interpreter's teardown: counted as completed, not relaunched")
-        return True
+    def _finished_before_exit(self, watch: AttemptWatch, obs: Observation) -> bool:
+        """A non-zero exit after the run had finished: completed, never relaunched (see :mod:`own_checkpoints`)."""
+        return own_checkpoints.crashed_after_completion(self.world, watch.attempt, obs.agent_exit) or \
+            self.plain and own_checkpoints.died_after_return(self.world, watch.attempt, obs)
 
     def _crash_facts(self, watch: AttemptWatch, obs: Observation) -> dict[str, Any]:
         failures, agent_error = self.world.failures()
