@@ -72,6 +72,8 @@ class RunEnv(BaseModel):
     supervisor_pid: int | None = Field(None, description="Workers exit when this process is gone.")
     supervisor_start_time: float | None = Field(None, description="psutil create_time of the supervisor, guards against pid reuse.")
     resume_from: Path | None = Field(None, description="Snapshot verified by the supervisor; load exactly this one.")
+    init_weights: Path | None = Field(None, description="Weights a run starts from when it has no snapshot to restore: a .safetensors file, or a Hugging Face directory (model.safetensors, or shards and model.safetensors.index.json); loaded into the tracked model strictly (runtime.checkpoint.hf_weights).")
+    init_weights_sha256: str | None = Field(None, description="Their digest taken at launch: a rank refuses the weights if they changed since.")
     node: int | None = Field(None, ge=0, description="Many nodes: the node rank whose supervisor started this worker; its teardown sweep matches (run_id, node).")
     precision: PrecisionMode = Field("auto", description="Precision policy (issue: precision).")
     save_every_steps: int | None = Field(None, ge=1, description="Save every N optimizer steps.")

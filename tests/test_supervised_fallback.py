@@ -143,7 +143,8 @@ def test_every_policy_field_of_the_spec_reaches_the_worker_env(tmp_path: Path) -
                    hash_algorithm="blake3", allow_changes=["lr"], on_anomaly="rollback", anomaly_sigma=3.0,
                    anomaly_window=9, max_rollbacks=1, rollback_lr_factor=0.25, inject_fault="kill:rank=0:step=3",
                    mtbf=60.0, heartbeat_timeout=2.0, allow_reshard=True, memory_every_steps=4, memory_keep=3, decision_every_steps=5,
-                   on_replica_divergence="stop", replica_check_every_steps=7)
+                   on_replica_divergence="stop", replica_check_every_steps=7,
+                   init_weights=Path("/weights/hf"), init_weights_sha256="cd" * 32)
     spec = LaunchSpec(**changed)
     env = RunEnv.from_env(RunEnv(**spec.worker_policy()).to_env())
     shared = [n for n in RunEnv.model_fields if n in LaunchSpec.model_fields and n not in ("run_dir", "ckpt_dir")]

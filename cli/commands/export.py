@@ -11,7 +11,9 @@ unpickling of anything but DCP's own metadata) and joined with the JSON tree
 ``module.`` prefix is stripped and its ``n_averaged`` counter dropped, so the
 file loads into the bare model. ``.pt`` files are written with ``torch.save``
 and load with ``torch.load(weights_only=True)``; ``.safetensors`` needs the
-``export`` extra. torch is imported only inside the command.
+``export`` extra. ``--format hf`` writes a directory in the Hugging Face layout instead
+(:mod:`ckptrun.runtime.checkpoint.hf_weights`): ``from_pretrained`` loads it. torch is imported only inside
+the command.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ckptrun.runtime import records
 from ckptrun.cli import store_location
 from ckptrun.runtime.manifest import MANIFEST_NAME, read_manifest
 from ckptrun.runtime.storage.store import LINEAGE_NAME, list_entries
+from ckptrun.runtime.checkpoint import hf_weights
 from ckptrun.runtime.checkpoint.verify import OK, SnapshotReport, newest_verified, verify_snapshot
 
 if TYPE_CHECKING:
@@ -44,7 +47,10 @@ PATH_HINT = "pass a snapshot directory (step-NNNNNNNNN), a checkpoint directory 
 @command
 def export(
     snapshot: str = typer.Argument(..., metavar="SNAPSHOT", help="A snapshot directory, a checkpoint/run directory or an object-store URL (its newest verified snapshot)."),
-    output: Path = typer.Option(..., "--output", "-o", metavar="FILE", help="Where to write: FILE.pt (torch.save) or FILE.safetensors."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="FILE|DIR", help="Where to write: FILE.pt (torch.save), FILE.safetensors, or DIR with --format hf."),
+    output_kind: Optional[str] = typer.Option(None, "--format", metavar="hf", help="hf: DIR in the Hugging Face layout (model.safetensors, or shards + model.safetensors.index.json, and config.json) that from_pretrained loads. [default: from the -o suffix]", show_default=False),
+    max_shard_size: str = typer.Option(hf_weights.DEFAULT_MAX_SHARD, "--max-shard-size", help="--format hf: shards no larger than this (e.g. 500MB), with an index naming each tensor's file."),
+    config: Optional[Path] = typer.Option(None, "--config", help="--format hf: the config.json to write (a file, or a directory holding one). [default: the model's own, kept in the snapshot]", show_default=False),
     ema: bool = typer.Option(False, "--ema", help="Export the EMA weights (the tracked `ema` AveragedModel) instead of the model's."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (snapshot, step, tensors, bytes, file) on stdout."),
     storage_option: Optional[list[str]] = storage_option_flag(),
@@ -55,19 +61,26 @@ def export(
     Examples:
       ckptrun export runs/demo -o model.pt
       ckptrun export runs/demo/checkpoints/step-000000020 --ema -o ema.safetensors
-    Load with: model.load_state_dict(torch.load("model.pt", weights_only=True))
+      ckptrun export runs/demo --format hf -o hf_model
+    Load with: model.load_state_dict(torch.load("model.pt", weights_only=True)),
+    or AutoModelForCausalLM.from_pretrained("hf_model") (any model class of the run's).
     """
-    kind = output_format(output)
+    kind = hf_format(output, output_kind, config) if output_kind is not None else output_format(output)
     report = verified_snapshot(snapshot, storage_option)
     name = "ema" if ema else "model"
     state = read_weights(report.path, name)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    size = write_state_dict(state, output, kind, {"snapshot": str(report.path), "step": str(report.step), "object": name})
+    metadata = {"snapshot": str(report.path), "step": str(report.step), "object": name}
+    if kind == "hf":
+        files = write_hf(state, output, max_shard_size, metadata, config, report.path)
+        size = sum(file.stat().st_size for file in files)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        size, files = write_state_dict(state, output, kind, metadata), [output]
     print(f"ckptrun: exported {len(state)} tensors ({human_bytes(size)}) of {name} from {report.path.name} "
           f"(step {report.step}, verified) to {output}", file=sys.stderr)
     if as_json:
         document = {"snapshot": str(report.path), "step": report.step, "object": name, "format": kind,
-                    "tensors": len(state), "bytes": size, "file": str(output)}
+                    "tensors": len(state), "bytes": size, "file": str(output), "files": [str(f) for f in files]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     return EXIT_OK
 
@@ -88,6 +101,42 @@ def output_format(output: Path) -> str:
     if taken is not None and not taken.is_dir():
         raise CkptrunError(f"-o {output}: {taken} is a file, not a directory", "pass a path inside a directory")
     return kind  # a missing directory is created once the weights are read (as report -o and init do)
+
+
+def hf_format(output: Path, given: str, config: Path | None) -> str:
+    """``--format hf``: DIR is a directory (or not there yet), the packages are here, ``--config`` exists."""
+    if given != "hf":
+        raise CkptrunError(f"--format {given}: unknown format", "pass --format hf, or name -o FILE.pt / FILE.safetensors")
+    try:
+        import huggingface_hub  # noqa: F401
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        raise CkptrunError("--format hf needs the safetensors and huggingface_hub packages",
+                           "pip install 'ckptrun[export]'") from None
+    if output.exists() and not output.is_dir():
+        raise CkptrunError(f"-o {output}: a file; --format hf writes a directory", "pass a directory path")
+    if config is not None and not (config.is_file() or (config / hf_weights.CONFIG).is_file()):
+        raise CkptrunError(f"--config {config}: no such file (nor {hf_weights.CONFIG} in it)",
+                           "pass the model's config.json, or drop --config to use the one the snapshot keeps")
+    return "hf"
+
+
+def write_hf(state: dict[str, torch.Tensor], output: Path, max_shard_size: str, metadata: dict[str, str],
+             config: Path | None, snapshot_dir: Path) -> list[Path]:
+    """The Hugging Face layout, with ``--config`` or the model's own config (a warning when there is neither)."""
+    from ckptrun.runtime.checkpoint.snapshot import STATE_JSON
+
+    if config is not None:
+        document = json.loads((config if config.is_file() else config / hf_weights.CONFIG).read_text())
+    else:
+        document = json.loads((snapshot_dir / STATE_JSON).read_text()).get("model_config")
+        if document is None:
+            print(f"ckptrun: warning: no {hf_weights.CONFIG} written: the model has no Hugging Face config; "
+                  "pass --config (from_pretrained needs one)", file=sys.stderr)
+    try:
+        return hf_weights.write(state, output, max_shard_size, metadata, document)
+    except ValueError as exc:  # huggingface_hub's size parser: "5GB", "500MB", or bytes
+        raise CkptrunError(f"--max-shard-size {max_shard_size}: {exc}", "pass a size like 5GB or 500MB") from None
 
 
 # --- which snapshot ---------------------------------------------------------------------
@@ -182,7 +231,7 @@ def write_state_dict(state: dict[str, torch.Tensor], output: Path, kind: str, me
         if kind == "safetensors":
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+            save_file({k: v.contiguous() for k, v in hf_weights.untied(state).items()}, str(tmp), metadata=metadata)
         else:
             import torch
 

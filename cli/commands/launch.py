@@ -82,6 +82,7 @@ def launch(
     paranoid_retention: Optional[bool] = _opt("--paranoid-retention", "Before retention deletes, re-hash the newest snapshot read past the page cache (default: manifest + sizes).", POLICY),
     memory_every_steps: Optional[str] = _opt("--memory-every-steps", "Memory tier: a snapshot every N steps into /dev/shm, which a restart on this node restores first (auto: ~1% overhead; 0: off). [default: 0]", POLICY, metavar="N|auto"),
     memory_keep: Optional[int] = _opt("--memory-keep", "Memory-tier snapshots kept in /dev/shm (plus one being written). [default: 2]", POLICY),
+    init_weights: Optional[Path] = _opt("--init-weights", "Start from these weights when there is no snapshot to restore: a .safetensors file or a Hugging Face directory (model.safetensors, or shards + index); hashed here, loaded strictly into the tracked model.", POLICY, metavar="PATH"),
     decision_every_steps: Optional[str] = _opt("--decision-every-steps", "Steps whose losses and stop/save requests the ranks share in one collective; a stop is agreed at most N steps late (auto: ~1 exchange per 250 ms, N <= 32; 1: every step). [default: auto]", POLICY, metavar="N|auto"),
     seed: Optional[int] = _opt("--seed", "Base seed (rank r uses seed + r). [default: 0]", POLICY),
     deterministic: Optional[bool] = typer.Option(None, "--deterministic/--no-deterministic", help="Deterministic algorithms (exact resume). [default: on]", rich_help_panel=POLICY, show_default=False),
@@ -146,7 +147,26 @@ def launch_spec(ctx: typer.Context, config: Optional[Path], standalone: bool, op
         raise CkptrunError("--standalone and --master-port contradict each other", "pass one of them")
     spec = build_spec({**flags, "script": script, "script_args": script_args or None}, config)
     refuse_unsupported(spec)  # the memory tier: one node, a writable /dev/shm (exit 2 before anything exists)
-    return spec
+    return with_init_weights(spec)
+
+
+def with_init_weights(spec: LaunchSpec) -> LaunchSpec:
+    """``--init-weights``: readable safetensors (their headers, exit 2 otherwise), absolute, and hashed once here."""
+    if spec.init_weights is None:
+        return spec
+    from ckptrun.runtime.checkpoint import hf_weights
+
+    path = spec.init_weights.expanduser().resolve()
+    try:
+        hf_weights.tensor_names(path)
+        digest = hf_weights.digest(path)
+    except ImportError:
+        raise CkptrunError("--init-weights needs the safetensors and huggingface_hub packages",
+                           "pip install 'ckptrun[export]'", EXIT_REFUSED) from None
+    except (hf_weights.WeightsError, OSError) as exc:
+        raise CkptrunError(f"--init-weights: {exc}", "pass a .safetensors file or a directory that "
+                           "`ckptrun export --format hf` (or save_pretrained) wrote", EXIT_REFUSED) from None
+    return spec.model_copy(update={"init_weights": path, "init_weights_sha256": digest})
 
 
 RESUME_CONTEXT = {"allow_extra_args": True}  # [RUN_DIR] among the options, `-- NEW SCRIPT ARGS` after them

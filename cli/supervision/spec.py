@@ -56,6 +56,7 @@ NOT_OPTIONS = frozenset({
     "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
     "ckpt_url", "local_cache", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option (store_location)
     "debug",  # the global --debug of the launcher
+    "init_weights_sha256",  # the launch hashes --init-weights (LaunchSpec's own field, kept in run.json)
 })
 WorkerPolicy: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "WorkerPolicy", __doc__="The contract-C1 fields a launch decides for every worker: RunEnv's own fields.",
@@ -76,6 +77,7 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     script: Path | None = Field(None, description="Training script; None runs the embedded default job.")
     script_args: list[str] = Field(default_factory=list, description="Arguments passed to the script.")
     restart_args: list[str] = Field(default_factory=list, description="Arguments appended to the script's on every restart and on resume, never on the first attempt (e.g. --resume): a script that needs a flag to continue from its own checkpoint.")
+    init_weights_sha256: str | None = Field(None, description="The digest of --init-weights, taken by the launch (ranks refuse weights that changed since).")
     # --- torchrun (same names as torchrun's flags) ---
     nproc_per_node: str = Field("1", description="Ranks on this node: a number, or auto/cpu/gpu as torchrun takes it.")
     nnodes: str = Field("1", description="Nodes (N or MIN:MAX): one `ckptrun launch` per node, node rank 0 leads.")

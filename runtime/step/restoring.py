@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptrun.runtime import collectives, records
-from ckptrun.runtime.checkpoint import snapshot, tiering, train_state
+from ckptrun.runtime.checkpoint import hf_weights, snapshot, tiering, train_state
 from ckptrun.runtime.checkpoint.policies import refused_changes
 from ckptrun.runtime.checkpoint.verify import newest_verified
 from ckptrun.runtime.env import RunEnv
@@ -83,6 +83,8 @@ class Restoring:
                 if skipped:
                     self._refuse(f"no snapshot in {self.ckpt_dir} loads (tried {', '.join(sorted(skipped))}); "
                                  f"inspect them with `ckptrun verify {self.ckpt_dir}`")
+                if self.env.init_weights is not None:
+                    self._start_from_weights(self.env.init_weights)
                 return self.step
             started = time.monotonic()
             self._check_compatible(snapshot.read_manifest(chosen))
@@ -111,6 +113,26 @@ class Restoring:
             if self.env.exit_after_restore:
                 self._exit_quietly(0)
             return self.step
+
+    def _start_from_weights(self, path: Path) -> None:
+        """``--init-weights``, on a start with no snapshot to restore: every rank hashes the files again (they
+        must be the ones the launch hashed) and loads them into the tracked model (exit 2 when they do not fit)."""
+        started = time.monotonic()
+        model = self.objects.get("model")
+        if model is None:
+            self._refuse("--init-weights needs the script to track its model: run.track(model=...)", 2)
+        try:
+            digest = hf_weights.digest(path)
+            if self.env.init_weights_sha256 is not None and digest != self.env.init_weights_sha256:
+                raise hf_weights.WeightsError(f"--init-weights {path} changed since the launch hashed it "
+                                              f"(sha256 {digest[:12]}…, launch {self.env.init_weights_sha256[:12]}…)")
+            tensors = hf_weights.load_into(model, path)
+        except (hf_weights.WeightsError, OSError) as exc:
+            self._refuse(str(exc), 2)
+        if self.rank == 0:
+            records.log_event(self.run_dir, "init_weights", attempt=self.env.attempt, path=str(path), sha256=digest,
+                              tensors=tensors, seconds=time.monotonic() - started)
+            print(f"ckptrun: started from {path} ({tensors} tensors, sha256 {digest[:12]}…)", file=sys.stderr, flush=True)
 
     def _restore_failed(self, path: Path, reason: str) -> None:
         self._note_unloadable(path, reason)

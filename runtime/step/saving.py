@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptrun.runtime import records
-from ckptrun.runtime.checkpoint import snapshot, train_state
+from ckptrun.runtime.checkpoint import hf_weights, snapshot, train_state
 from ckptrun.runtime.checkpoint.policies import AutoCadence, FailedSaves, Retention, SaveCadence
 from ckptrun.runtime.checkpoint.retention import apply_retention
 from ckptrun.runtime.env import RunEnv
@@ -173,7 +173,8 @@ class Saving:
         own_trees, own_tensors = per_rank.capture({n: self.objects[n] for n in self.per_rank_names})
         counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
         shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases,
-                       "losses": list(self.anomalies.history)}  # the spike detector's window: see restoring._apply
+                       "losses": list(self.anomalies.history),  # the spike detector's window: see restoring._apply
+                       "model_config": hf_weights.model_config(self.objects.get("model"))}  # config.json of an export
         return snapshot.State(shared_tree, tensors, {"rng": rng_tree, per_rank.PREFIX: own_trees},
                               {**rng_tensors, **own_tensors}, first_rank_keys=train_state.first_rank_keys(self.objects))
 
