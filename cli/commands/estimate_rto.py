@@ -28,6 +28,7 @@ from ckptrun.cli.durations import DurationError, format_duration, parse_duration
 from ckptrun.cli.commands.store_flag import storage_option_flag
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_bytes
+from ckptrun.cli.recovery_budget import rto_components, rto_history, rto_scale
 from ckptrun.cli.recovery_budget.estimate import build_report, check_budget, find_target
 from ckptrun.cli.supervision.recovery import CUT
 
@@ -40,6 +41,10 @@ def estimate_rto(
     budget_includes_lost_work: bool = typer.Option(False, "--budget-includes-lost-work", help="Compare the cost per failure (RTO + lost work) with --budget instead."),
     probe: bool = typer.Option(False, "--probe", help="Measure the restart for real: the run's script restores the newest snapshot and stops (a bare checkpoint dir: load it, no user code)."),
     nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", min=1, metavar="N", help="World size for probes and the no-op launch. [default: the snapshot's]"),
+    nodes: int | None = typer.Option(None, "--nodes", min=1, metavar="N", help="Also project the budget to N nodes (each part marked measured or modelled)."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, metavar="G", help="With --nodes: ranks per node."),
+    state_bytes: str | None = typer.Option(None, "--state-bytes", metavar="SIZE", help="With --nodes: the job's whole training state, e.g. 1.1T or 500GB. [default: this snapshot's]", show_default=False),
+    mtbf_per_node: str | None = typer.Option(None, "--mtbf-per-node", metavar="DURATION", help="With --nodes: one node's mean time between failures (the job's is this ÷ N), for Daly's interval and goodput there."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout instead of a table."),
     storage_option: Optional[list[str]] = storage_option_flag(),
 ) -> int:
@@ -51,13 +56,22 @@ def estimate_rto(
       ckptrun estimate-rto runs/demo
       ckptrun estimate-rto runs/demo --mtbf 6h --budget 2m
       ckptrun estimate-rto runs/demo/checkpoints --probe --json
+      ckptrun estimate-rto runs/demo --nodes 1024 --gpus-per-node 8 --state-bytes 1.1T --mtbf-per-node 1000d
     """
     mtbf_s, budget_s = _duration("--mtbf", mtbf), _duration("--budget", budget)
     if budget_includes_lost_work and budget_s is None:
         raise CkptrunError("--budget-includes-lost-work needs --budget", "add --budget DURATION (e.g. --budget 5m)")
+    scale = _scale_options(nodes, state_bytes, mtbf_per_node)
     target = find_target(path, storage_option)
     world = nproc_per_node or target.manifest.world_size  # another than the snapshot's: the probe reshards
     document = build_report(target, probe, world, mtbf_s)
+    if nodes is not None:
+        _, _, restore = rto_components.restore_estimate(target, world)
+        if document["components"]["restart"]["source"] == "history":  # the restore inside the restart figure
+            restore["restore_s"] = rto_history.restart_figure(target.restarts, "restore_s")[0] or restore["restore_s"]
+        size = scale["state_bytes"] if scale["state_bytes"] is not None else target.manifest.total_bytes
+        document["projection"] = rto_scale.project(document, restore, nodes, gpus_per_node, size, scale["mtbf_per_node_s"],
+                                                   rto_scale.store_round_trip_s())
     verdict = check_budget(document, budget_s, budget_includes_lost_work)
     if as_json:
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
@@ -66,6 +80,22 @@ def estimate_rto(
     if verdict is not None and not verdict["ok"]:
         raise CkptrunError(verdict["message"], CUT[verdict["largest"]], EXIT_NO)
     return EXIT_OK
+
+
+def _scale_options(nodes: int | None, state_bytes: str | None, mtbf_per_node: str | None) -> dict[str, Any]:
+    """--state-bytes and --mtbf-per-node parsed (they need --nodes)."""
+    if nodes is None and (state_bytes is not None or mtbf_per_node is not None):
+        raise CkptrunError("--state-bytes and --mtbf-per-node project to another size: they need --nodes",
+                           "add --nodes N (e.g. --nodes 1024)")
+    size = None
+    if state_bytes is not None:
+        try:
+            size = rto_scale.parse_size(state_bytes)
+        except ValueError as exc:
+            raise CkptrunError(f"--state-bytes {exc}", "for example --state-bytes 1.1T") from None
+        if size <= 0:
+            raise CkptrunError(f"--state-bytes {state_bytes!r} must be more than zero", "for example --state-bytes 1.1T")
+    return {"state_bytes": size, "mtbf_per_node_s": _duration("--mtbf-per-node", mtbf_per_node)}
 
 
 def _duration(flag: str, text: str | None) -> float | None:
@@ -100,6 +130,8 @@ def print_report(document: dict[str, Any]) -> None:
         out.insert(-1, f"after a lost node: {_seconds(totals['rto_node_loss_s'])} s (node timeout "
                        f"{_seconds(document['node_loss']['detect_s'])} s + rejoin {_seconds(join['value_s'])} s: {join['detail']})")
     out += _mtbf_lines(document)
+    if document.get("projection"):
+        out += rto_scale.text_lines(document["projection"])
     budget = document.get("budget")
     if budget:
         what = "cost per failure" if budget["includes_lost_work"] else "RTO"
