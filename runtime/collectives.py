@@ -79,12 +79,14 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def rank() -> int:
-    return dist.get_rank() if active() else 0
+def rank(group: Any = None) -> int:
+    """This rank's number in ``group`` (None: the whole job)."""
+    return dist.get_rank(group) if active() else 0
 
 
-def world_size() -> int:
-    return dist.get_world_size() if active() else 1
+def world_size(group: Any = None) -> int:
+    """The ranks in ``group`` (None: the whole job)."""
+    return dist.get_world_size(group) if active() else 1
 
 
 def barrier(group: Any = None) -> None:
@@ -97,7 +99,10 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_group(group), device=CPU)
+    if group is None:
+        dist.broadcast_object_list(box, src=src, group=_cpu_group, device=CPU)
+    else:  # ``src`` numbers the rank within ``group`` (a node's group: its first rank is not the job's rank 0)
+        dist.broadcast_object_list(box, group_src=src, group=group, device=CPU)
     return box[0]
 
 
@@ -105,7 +110,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's object (on CPU: torch picks gloo when the group has a CPU backend)."""
     if not active():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.get_world_size(_group(group))
     dist.all_gather_object(out, obj, group=_group(group))
     return out
 
@@ -114,6 +119,22 @@ def new_group() -> Any:
     """A gloo group of all ranks for snapshot traffic, so a background save never
     interleaves its collectives with the training step's on the default group."""
     return dist.new_group(backend="gloo") if active() else None
+
+
+def node_group() -> Any:
+    """A gloo group of the ranks on this node (torchrun's ``GROUP_RANK``), for node-local snapshots (the memory
+    tier on many nodes); every rank calls it at the same point, and each gets its own node's group."""
+    if not active():
+        return None
+    nodes = all_gather_object(int(os.environ.get("GROUP_RANK", "0")))
+    members = [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
+    mine, _ = dist.new_subgroups_by_enumeration(members, backend="gloo")
+    return mine
+
+
+def node_count() -> int:
+    """How many nodes the job's ranks run on (torchrun's ``GROUP_RANK`` of each; 1 in a single process)."""
+    return len(set(all_gather_object(int(os.environ.get("GROUP_RANK", "0"))))) if active() else 1
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:

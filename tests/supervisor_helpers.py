@@ -12,6 +12,7 @@ from typing import Any
 
 from ckptrun.cli.supervision.failures import RankFailure
 from ckptrun.cli.supervision.job_store import JobStore, NodeWatch
+from ckptrun.cli.supervision.memory_tier import MemoryDir
 from ckptrun.cli.supervision.node_agent import NodeJob
 from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot, StopControl
 from ckptrun.cli.supervision.policy import RestartPolicy, Timeouts
@@ -155,6 +156,8 @@ class ScriptedNodeWorld(ScriptedWorld):
         self.active = list(self.nodes)
         self.settings = SimpleNamespace(leader=self.node == 0, min_nodes=self.min_nodes)
         self.spec = SimpleNamespace(allow_reshard=False)
+        self.memory = MemoryDir(None)  # no memory tier: nothing to tell the leader after a teardown
+        self.ckpt_dir, self.run_id = Path("/nonexistent"), "scripted"
         self.watch = NodeWatch(5.0)
 
     def abandon(self) -> None:

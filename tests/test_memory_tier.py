@@ -203,13 +203,21 @@ def test_every_launch_and_verify_sweep_a_killed_supervisors_directory(tmp_path: 
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def test_the_tier_is_refused_without_shared_memory_or_on_many_nodes(tmp_path: Path) -> None:
+def test_the_tier_is_refused_without_shared_memory_or_a_directory_of_its_own(tmp_path: Path) -> None:
+    """No tmpfs, a --memory-dir holding someone else's files or under a missing parent: exit 2. Many nodes are
+    accepted (each node keeps its own ranks' shards), with a --memory-dir each."""
     with pytest.raises(CkptrunError) as missing:
         tier.refuse_unsupported(LaunchSpec(memory_every_steps=2), root=tmp_path / "no-shm")
     assert missing.value.exit_code == 2 and str(tmp_path / "no-shm") in missing.value.message
-    with pytest.raises(CkptrunError) as nodes:
-        tier.refuse_unsupported(LaunchSpec(memory_every_steps="auto", nnodes="2"), root=tmp_path)
-    assert nodes.value.exit_code == 2 and "one node" in nodes.value.message
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("keep me")
+    for given, words in ((tmp_path / "theirs", "not a ckptrun memory tier's"), (tmp_path / "no" / "dir", "not a writable")):
+        with pytest.raises(CkptrunError) as refused:
+            tier.refuse_unsupported(LaunchSpec(memory_every_steps=2, node_memory_dir=given), root=tmp_path)
+        assert refused.value.exit_code == 2 and words in refused.value.message
+    assert (tmp_path / "theirs" / "notes.txt").exists()
+    tier.refuse_unsupported(LaunchSpec(memory_every_steps="auto", nnodes="2", node_memory_dir=tmp_path / "n1"), root=tmp_path)
+    tier.refuse_unsupported(LaunchSpec(memory_every_steps=2, nnodes="2"), root=tmp_path)  # /dev/shm/...-node<k>
     tier.refuse_unsupported(LaunchSpec(nnodes="2"), root=tmp_path / "no-shm")  # off: nothing to refuse
 
 

@@ -63,6 +63,7 @@ def launch(
     master_port: Optional[int] = _opt("--master-port", "Fixed rendezvous port (default: a fresh one per attempt).", TORCHRUN),
     rdzv_backend: Optional[str] = _opt("--rdzv-backend", "torchrun rendezvous backend.", TORCHRUN),
     rdzv_endpoint: Optional[str] = _opt("--rdzv-endpoint", "torchrun rendezvous endpoint (HOST:PORT of node rank 0, the same on every node).", TORCHRUN),
+    local_addr: Optional[str] = _opt("--local-addr", "This node's address in the rendezvous, as torchrun takes it (c10d orders the nodes' ranks by it). [default: the host's FQDN]", TORCHRUN),
     coord_port: Optional[int] = _opt("--coord-port", "Port of the job's store on node rank 0 (many nodes). [default: rendezvous port + 1]", TORCHRUN),
     node_join_timeout: Optional[str] = _opt("--node-join-timeout", "How long the leader waits for a lost node's relaunched launcher. [default: 300s]", SUPERVISION),
     name: Optional[str] = _opt("--name", "Run name. [default: SCRIPT-STEM-DATE-TIME]", RUN),
@@ -81,6 +82,7 @@ def launch(
     keep_every: Optional[int] = _opt("--keep-every", "Snapshots at multiples of M steps are kept forever.", POLICY),
     paranoid_retention: Optional[bool] = _opt("--paranoid-retention", "Before retention deletes, re-hash the newest snapshot read past the page cache (default: manifest + sizes).", POLICY),
     memory_every_steps: Optional[str] = _opt("--memory-every-steps", "Memory tier: a snapshot every N steps into /dev/shm, which a restart on this node restores first (auto: ~1% overhead; 0: off). [default: 0]", POLICY, metavar="N|auto"),
+    memory_dir: Optional[Path] = _opt("--memory-dir", "The memory tier's directory on this node (a tmpfs: its RAM), created and deleted by the launch. [default: /dev/shm/ckptrun-RUN-HOST, many nodes: ...-nodeK]", POLICY, metavar="DIR"),
     memory_keep: Optional[int] = _opt("--memory-keep", "Memory-tier snapshots kept in /dev/shm (plus one being written). [default: 2]", POLICY),
     init_weights: Optional[Path] = _opt("--init-weights", "Start from these weights when there is no snapshot to restore: a .safetensors file or a Hugging Face directory (model.safetensors, or shards + index); hashed here, loaded strictly into the tracked model.", POLICY, metavar="PATH"),
     decision_every_steps: Optional[str] = _opt("--decision-every-steps", "Steps whose losses and stop/save requests the ranks share in one collective; a stop is agreed at most N steps late (auto: ~1 exchange per 250 ms, N <= 32; 1: every step). [default: auto]", POLICY, metavar="N|auto"),
@@ -146,7 +148,7 @@ def launch_spec(ctx: typer.Context, config: Optional[Path], standalone: bool, op
     if standalone and options.get("master_port") is not None:
         raise CkptrunError("--standalone and --master-port contradict each other", "pass one of them")
     spec = build_spec({**flags, "script": script, "script_args": script_args or None}, config)
-    refuse_unsupported(spec)  # the memory tier: one node, a writable /dev/shm (exit 2 before anything exists)
+    refuse_unsupported(spec)  # the memory tier: a writable tmpfs, a --memory-dir of its own (exit 2 before anything exists)
     return with_init_weights(spec)
 
 

@@ -53,6 +53,8 @@ def torchrun_args(spec: LaunchSpec, log_dir: Path) -> list[str]:
         args += [f"--rdzv-backend={spec.rdzv_backend or 'c10d'}", f"--rdzv-endpoint={spec.rdzv_endpoint or 'localhost:0'}"]
     else:
         args += ["--standalone"]
+    if spec.local_addr:
+        args += ["--local-addr", spec.local_addr]
     return args + ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
                    "--shutdown-timeout", str(max(1, int(spec.grace_period)))]
 

@@ -78,6 +78,10 @@ def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json
             own = spec if spec is not None else read_run_record(paths.root).spec  # a resume: run.json is there
             job, record = _join(paths, settings, spec.ckpt_dir if spec is not None else None, own.startup_timeout)
             record = with_own_secrets(record, own)
+            # --memory-dir names this node's own memory (the leader's run.json holds the leader's): a resume, which
+            # takes no --memory-dir, uses the node's default one
+            record.spec.node_memory_dir = own.node_memory_dir if spec is not None else None
+            record.spec.local_addr = own.local_addr  # this node's address, never the leader's
             first, resume = 1, None
         record.spec.node_rank = settings.node_rank
         return supervise_run(record, paths, first, resume, as_json, estimator=estimator, settings=settings,

@@ -16,8 +16,16 @@ newest verified durable snapshot and passes the pre-load check is used
 they load it; every digest for an older one); else the durable one. A memory snapshot that fails the check is skipped and
 deleted, never quarantined into the durable directory; so are the memory
 snapshots newer than the one chosen (a future the restart will not replay).
-The ``restore_source`` event says which tier and why. Never across nodes: a
-many-node launch with the tier is refused. Importable without torch.
+The ``restore_source`` event says which tier and why.
+
+Many nodes: each node's ranks write their own shards (a snapshot of the node's ranks,
+with its own manifest and digests) into the node's directory (``--memory-dir``,
+default ``/dev/shm/ckptrun-<run>-node<k>``). After a teardown every node tells the
+leader which of its memory steps are usable (:meth:`MemoryDir.usable_steps`, in its
+teardown acknowledgement); the leader restarts from the newest step every node holds,
+when it is newer than the newest durable snapshot, and each node resumes from its own
+copy of that step (:meth:`MemoryDir.use_step`). A node whose directory is gone (its
+launcher was replaced) holds none: the restart is durable. Importable without torch.
 """
 
 from __future__ import annotations
@@ -52,18 +60,26 @@ def directory_name(run_id: str, host: str | None = None) -> str:
 
 
 def refuse_unsupported(spec: Any, root: Path = SHM_ROOT) -> None:
-    """Before anything runs: the tier needs one node and a writable ``root`` (exit 2 otherwise)."""
+    """Before anything runs: the tier needs a writable directory of its own (exit 2 otherwise)."""
     if not spec.memory_every_steps:
         return
-    if spec.nnodes.split(":")[-1] != "1":
-        raise CkptrunError("--memory-every-steps works on one node for now (each node's memory snapshot would "
-                           "hold only its own ranks' shards)", "drop --memory-every-steps for a many-node run",
-                           EXIT_REFUSED)
+    given = getattr(spec, "node_memory_dir", None)
+    if given is not None:
+        given = Path(given)
+        if given.exists() and (not given.is_dir() or any(given.iterdir()) and not (given / OWNER).exists()):
+            raise CkptrunError(f"--memory-dir {given}: exists and holds files that are not a ckptrun memory tier's "
+                               "(the launch deletes the directory when it ends)", "pass a new or empty directory",
+                               EXIT_REFUSED)
+        parent = given if given.is_dir() else given.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise CkptrunError(f"--memory-dir {given}: {parent} is not a writable directory",
+                               "pass a directory on a tmpfs this user can write (e.g. under /dev/shm)", EXIT_REFUSED)
+        return
     if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
         raise CkptrunError(f"--memory-every-steps needs node-local shared memory at {root}, and this machine has "
                            "none there (or it is not writable)",
-                           f"drop --memory-every-steps (durable snapshots only), or mount a tmpfs at {root}",
-                           EXIT_REFUSED)
+                           f"drop --memory-every-steps (durable snapshots only), mount a tmpfs at {root}, "
+                           "or name one with --memory-dir", EXIT_REFUSED)
 
 
 def sweep_stale(root: Path = SHM_ROOT) -> list[Path]:
@@ -155,9 +171,11 @@ class MemoryDir:
         if not spec.memory_every_steps:
             return cls(None)
         refuse_unsupported(spec, root)
-        path = root / directory_name(run_id)
-        shutil.rmtree(path, ignore_errors=True)  # the run lock says no other supervisor runs this run
-        path.mkdir(mode=0o700)
+        many = spec.nnodes.split(":")[-1] != "1"  # nodes of one job may share a host (tests): one directory each
+        path = Path(spec.node_memory_dir) if spec.node_memory_dir else \
+            root / directory_name(run_id, f"node{spec.node_rank}" if many else None)
+        shutil.rmtree(path, ignore_errors=True)  # ours (refuse_unsupported); the run lock says no other supervisor
+        path.mkdir(mode=0o700, parents=True)
         me = psutil.Process()
         (path / OWNER).write_text(json.dumps({"pid": me.pid, "start_time": me.create_time(), "run_id": run_id}))
         return cls(path)
@@ -177,6 +195,40 @@ class MemoryDir:
         if choice.tier == "memory" or choice.skipped:
             say(f"restore from {choice.tier}: {choice.reason}")
         return choice.snapshot
+
+    def holds(self, snapshot: Path | None) -> bool:
+        return self.path is not None and snapshot is not None and Path(snapshot).parent.resolve() == self.path.resolve()
+
+    def usable_steps(self, ckpt_dir: Path, run_id: str) -> list[int]:
+        """Many nodes: the steps of this node's memory snapshots a restart could use (this run, the current
+        lineage, manifest and sizes right), newest first; what the node tells the leader after a teardown."""
+        if self.path is None:
+            return []
+        try:
+            lineage = store.read_lineage(ckpt_dir)
+        except store.LineageError:
+            return []
+        entries = [e for e in store.list_entries(self.path, include_abandoned=False) if e.kind == "published"]
+        return [e.step for e in sorted(entries, key=lambda e: e.step, reverse=True)
+                if _unusable(e.path, lineage, run_id) is None and verify_snapshot(e.path, at_load=True).ok]
+
+    def use_step(self, step: int | None, why: str, event: Callable[..., None], say: Callable[[str], None],
+                 durable: Snapshot | None = None) -> Snapshot | None:
+        """Many nodes: the step the leader chose for every node (None: durable), from this node's directory;
+        the memory snapshots newer than the choice go (a future the restart will not replay)."""
+        if self.path is None:
+            return durable
+        keep_up_to = step if step is not None else durable.step if durable is not None else -1
+        for entry in store.list_entries(self.path, include_abandoned=True):
+            if entry.step > keep_up_to and entry.kind in ("published", "quarantined"):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        chosen = Snapshot(self.path / store.snapshot_name(step), step) if step is not None else durable
+        tier = "memory" if step is not None else _tier(durable)
+        event("restore_source", tier=tier, snapshot=str(chosen.path) if chosen else None,
+              step=chosen.step if chosen else None, reason=why, skipped=[], durable_bytes_read=0 if step is not None else None)
+        if step is not None:
+            say(f"restore from memory: {why}")
+        return chosen
 
     def remove(self) -> None:
         """Delete the directory and every memory snapshot in it (the run ends, or the supervisor leaves)."""

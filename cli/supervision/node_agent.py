@@ -74,7 +74,10 @@ class NodeJob:
         return first if first is not None and first.get("node") != self.world.node else None
 
     def torn_down(self, watch: AttemptWatch) -> None:
-        self._call(self.job.ack_teardown, watch.attempt, self.world.node, teardown_s=watch.teardown_s)
+        """Tell the leader this node's ranks are gone, and (memory tier) which of its memory steps are usable."""
+        memory = self.world.memory.usable_steps(self.world.ckpt_dir, self.world.run_id) if not self.leader else []
+        self._call(self.job.ack_teardown, watch.attempt, self.world.node, teardown_s=watch.teardown_s,
+                   memory_steps=memory)
 
     def ended(self, outcome: Outcome, restarts: int) -> None:
         if self.leader:
@@ -122,7 +125,10 @@ class NodeJob:
         """Publish the next attempt: its number, the snapshot every node resumes from, the nodes that run it."""
         if pending is not None:  # the RTO ledger: a lost node's rejoin wait, and who verified
             pending.update(node_join_s=self.waited, nodes=list(self.world.active), lost_nodes=self.lost_nodes)
-        self.job.start_attempt(watch.attempt + 1, describe_snapshot(snapshot), self.world.active)
+        described = describe_snapshot(snapshot)
+        if described is not None and self.world.memory.holds(snapshot.path):  # type: ignore[union-attr]
+            described["tier"] = "memory"  # every node resumes from its own copy of that step
+        self.job.start_attempt(watch.attempt + 1, described, self.world.active)
 
     def _wait_for_acks(self, attempt: int) -> None:
         """Every node has torn attempt ``attempt`` down (a silent or relaunched node is not waited for)."""
@@ -252,6 +258,12 @@ class NodeJob:
             if is_next(record, after_attempt, self.world.node):
                 snap = record.get("snapshot")
                 resume = Snapshot(Path(snap["path"]), int(snap["step"])) if snap else None
+                if snap and snap.get("tier") == "memory":
+                    resume = self.world.memory.use_step(int(snap["step"]), f"the leader chose memory step {snap['step']}, "
+                                                        "held by every node", self.world.event, self.world.say)
+                elif int(record["attempt"]) > 1 and self.world.memory.path is not None:
+                    self.world.memory.use_step(None, "the leader chose the durable snapshot", self.world.event,
+                                               self.world.say, resume)
                 self.world.active = [int(n) for n in record["nodes"]]
                 return int(record["attempt"]), resume
             self._call(self.job.beat, self.world.node, attempt=after_attempt, state="waiting")

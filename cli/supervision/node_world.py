@@ -86,6 +86,7 @@ class NodeWorld(LocalWorld):
         self.unreachable_since: float | None = None
         self.verify_for: int | None = None  # set when the leader picks a restart's snapshot
         self.placed = 0  # the attempt whose ranks were written to nodes/node-k/ranks.json
+        self.resumed_from_memory = False  # the current attempt restores this node's memory copy
 
     # --- launching ---
 
@@ -94,6 +95,7 @@ class NodeWorld(LocalWorld):
         os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_RDZV_ID": rdzv_id(self.settings.job_id or "", attempt),
                            "PET_RDZV_CONF": f"is_host={int(self.settings.leader)}"})
         self.remote_failure = None
+        self.resumed_from_memory = self.memory.holds(resume_from)
         self.spec = self.spec.model_copy(update={"nnodes": str(len(self.active))})  # torchrun's: this attempt's nodes
         super().launch(attempt, resume_from)
         self.watch = NodeWatch(self.watch.timeout_s)
@@ -153,9 +155,38 @@ class NodeWorld(LocalWorld):
         return first
 
     def restart_snapshot(self) -> Snapshot | None:
-        """The leader picks the restart's snapshot of the attempt that just failed: every node verifies a share."""
+        """The leader picks the restart's snapshot of the attempt that just failed: every node verifies a share of
+        the durable one; with the memory tier, the newest memory step every node holds wins when it is newer."""
         self.verify_for = self.attempt
-        return super().restart_snapshot()
+        if self.memory.path is None:
+            return super().restart_snapshot()
+        self.source.refuse_poisoned(self.attempt_events("snapshot_quarantined"))
+        durable = self.newest_snapshot()
+        held = self.memory_steps()
+        floor = durable.step if durable is not None else -1
+        if self.resumed_from_memory and self.attempt_events("restore_failed"):
+            return self.memory.use_step(None, "the last memory restore did not load on every node (its ranks were "
+                                        "placed on other nodes? see --local-addr): durable", self.event, self.say, durable)
+        common = set.intersection(*(set(steps) for steps in held.values())) if held else set()
+        best = max((step for step in common if step > floor), default=None)
+        without = sorted(node for node, steps in held.items() if best is None and not any(s > floor for s in steps))
+        why = (f"memory step {best} is held by every node ({len(held)}) and newer than the durable step {floor}"
+               if best is not None else f"no memory step newer than the durable step {floor} is held by every node"
+               + (f" (none on node(s) {', '.join(map(str, without))})" if without else ""))
+        return self.memory.use_step(best, why, self.event, self.say, durable)
+
+    def memory_steps(self) -> dict[int, list[int]]:
+        """The usable memory steps of every node of the attempt: this node's own, the others' from their
+        teardown acknowledgements (a node that did not acknowledge holds none)."""
+        steps = {self.node: self.memory.usable_steps(self.ckpt_dir, self.run_id)}
+        others = [n for n in self.active if n != self.node]
+        try:
+            acks = self.job.teardown_acks(self.attempt, others)
+        except StoreUnreachable:
+            acks = {}
+        for node in others:
+            steps[node] = [int(s) for s in (acks.get(node) or {}).get("memory_steps") or []]
+        return steps
 
     def newest_snapshot(self) -> Snapshot | None:
         """A restart's snapshot is verified by every node, a share each (the leader names it); else here alone."""

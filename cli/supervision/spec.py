@@ -33,7 +33,7 @@ DEFAULT_MTBF_S = 86400.0  # --mtbf: one failure a day, a common figure for a mul
 CADENCE = ("save_every_steps", "save_every_seconds", "save_every")  # one choice: a flag replaces the config's
 CONFIG_INTERNAL = {"store_url": "ckpt-dir", "store_secrets": "storage-option"}  # fields no config sets → the key that does
 RENAMED = {"allow_change": "allow_changes", "args": "script_args",  # TOML key (= long option) → field
-           "local_cache": "cache_dir", "storage_option": "store_options"}
+           "local_cache": "cache_dir", "storage_option": "store_options", "memory_dir": "node_memory_dir"}
 
 
 def parse_duration(value: Any) -> Any:
@@ -86,12 +86,14 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
     master_port: int | None = Field(None, ge=1, le=65535, description="Fixed rendezvous port (default: a fresh free port per attempt).")
     rdzv_backend: str | None = Field(None, description="torchrun rendezvous backend (c10d across nodes).")
     rdzv_endpoint: str | None = Field(None, description="torchrun rendezvous endpoint.")
+    local_addr: str | None = Field(None, description="torchrun --local-addr: this node's address in the rendezvous (default: its FQDN); c10d numbers the nodes' ranks in the order of these addresses, so distinct, stable ones keep every node's ranks across attempts.")
     coord_port: int | None = Field(None, ge=1, le=65535, description="Port of the job's coordination store on node rank 0 (many nodes); default: the rendezvous port + 1.")
     node_join_timeout: float = Field(300.0, gt=0, description="How long the leader waits for a lost node's relaunched launcher to join (many nodes).")
     # --- the run directory ---
     name: str | None = Field(None, description="Run name; default SCRIPT-STEM-YYYYmmdd-HHMMSS.")
     run_dir: Path | None = Field(None, description="Run directory; default runs/NAME.")
     ckpt_dir: Path | None = Field(None, description="Checkpoint directory; default RUN_DIR/checkpoints. A URL (s3://…) sets store_url.")
+    node_memory_dir: Path | None = Field(None, description="--memory-dir: this node's memory-tier directory (a tmpfs: its RAM); default /dev/shm/ckptrun-<run>-<host>, on many nodes /dev/shm/ckptrun-<run>-node<k>.")
     store_url: str | None = Field(None, description="Object-store URL every snapshot is committed to (--ckpt-dir s3://…, any fsspec URL).")
     cache_dir: Path | None = Field(None, description="--local-cache: with a store URL, each snapshot stays here too (a restore tier); default: RUN_DIR/staging, emptied after each upload.")
     store_options: dict[str, Any] = Field(default_factory=dict, description="--storage-option KEY=VALUE: fsspec options of the store (credentials kept out of run.json).")

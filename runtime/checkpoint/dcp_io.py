@@ -22,6 +22,7 @@ against the digest of exactly its bytes before it is deserialised
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import math
@@ -36,9 +37,9 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan
 from torch.futures import Future
 
 from ckptrun.runtime import collectives
@@ -268,9 +269,18 @@ class HashingFileSystem(FileSystem):
                 self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
 
 
+class RankNamedWriter(FileSystemWriter):
+    """Each rank's data file is ``__<job rank>_0.distcp`` even when DCP runs on a subgroup (a node's own memory
+    snapshot), where DCP would number the files by the rank within the group: a file's name names its writer."""
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        plan = super().prepare_local_plan(plan)
+        return dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{collectives.rank()}_"))
+
+
 def hashing_writer(dcp_dir: Path, algorithm: str, on_write: Callable[[str], None] | None = None) -> FileSystemWriter:
     """A FileSystemWriter (fsync on, one file per rank) that hashes what it writes."""
-    writer = FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+    writer = RankNamedWriter(dcp_dir, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
     writer.fs = HashingFileSystem(algorithm, on_write)
     return writer
 
@@ -300,12 +310,13 @@ def owned_keys(tensors: dict[str, torch.Tensor], group: Any = None, first_rank: 
     :func:`train_state.first_rank_keys`): rank 0 writes them, whatever the balancing chose.
     Each rank then stages and saves only these; the union over ranks is the whole state, once.
     """
+    me = collectives.rank(group)  # within ``group``: a node's own snapshot is planned among its ranks
     planner = DefaultSavePlanner()
-    planner.set_up_planner(tensors, is_coordinator=collectives.rank() == 0)
+    planner.set_up_planner(tensors, is_coordinator=me == 0)
     plans = collectives.all_gather_object(planner.create_local_plan(), group=group)
-    mine = {item.index.fqn for item in dedup_save_plans(plans)[collectives.rank()].items}
+    mine = {item.index.fqn for item in dedup_save_plans(plans)[me].items}
     pinned = first_rank & set(tensors)
-    return mine | pinned if collectives.rank() == 0 else mine - pinned
+    return mine | pinned if me == 0 else mine - pinned
 
 
 def tensor_table(metadata: Metadata) -> dict[str, tuple[list[int], str]]:

@@ -10,6 +10,11 @@ it is newer than the newest durable snapshot: the work lost to a rank crash
 falls to a few steps while durable snapshots keep their own cadence. It dies
 with the node, as it should.
 
+On many nodes the Saver runs over a group of this node's ranks (:func:`collectives.node_group`), so each
+node's directory holds a snapshot of exactly its own ranks' shards (one copy of what is replicated), with
+its own manifest; the cadence advice and the failure count that switches the tier off are agreed job-wide
+in one small gather per memory save (a node that stopped saving alone would leave the others waiting).
+
 Why a Saver of its own (its own staging buffers, writer thread and process
 group) rather than the durable one's: shared buffers would make each memory
 save wait for, or skip, the durable save in flight, and a durable save on a
@@ -36,6 +41,7 @@ stall includes that wait.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 import time
@@ -96,8 +102,13 @@ class MemoryTier:
         self.run_dir, self.ckpt_dir, self.keep, self.attempt = run_dir, env.checkpoint_dir, env.memory_keep, env.attempt
         auto = env.memory_every_steps == "auto"
         self.cadence = MemoryCadence(1 if auto else int(env.memory_every_steps or 0), auto)
-        self.saver = Saver(self.dir, env.hash_algorithm, asynchronous=True) if self.dir is not None else None
+        self.nodes = collectives.node_count() if self.dir is not None else 1  # every rank: the same env, the same call
+        node_group = collectives.node_group() if self.nodes > 1 else None  # many nodes: each keeps its own ranks' shards
+        self.saver = Saver(self.dir, env.hash_algorithm, asynchronous=True, group=node_group) if self.dir is not None else None
+        self.job_group = collectives.new_group() if self.nodes > 1 else None  # the cadence and failures, agreed job-wide
         self.rank = collectives.rank()
+        self.lead = self.saver is not None and collectives.rank(self.saver.group) == 0  # writes this node's memory dir
+        self.node = int(os.environ.get("GROUP_RANK", "0"))
         self.failures, self.last_error = 0, None  # failed memory saves in a row, counted alike on every rank
         self.stalls: list[float] = []
         self.last_end: float | None = None  # rank 0 (auto): when the previous memory save returned to the loop
@@ -126,12 +137,16 @@ class MemoryTier:
         started = time.monotonic()
         self.settle(wait=True)  # one in flight at most; its group is free for the broadcast below
         waited = time.monotonic() - started  # a write that outlasts the cadence shows here (memory_saved stall_s)
+        advice = self._advice(info.step) if self.cadence.auto and self.rank == 0 else None
+        if self.job_group is not None:  # many nodes: each node saw its own results; the worst one counts everywhere
+            rows = collectives.all_gather_object((self.failures, advice), group=self.job_group)
+            self.failures, advice = max(row[0] for row in rows), rows[0][1]
         if self.failures >= FAILURES_TO_STOP:  # every rank has collected the same results by now: they agree
             return self._switch_off()
         if self.cadence.auto:
-            self.cadence.every = collectives.broadcast_object(self._advice(info.step) if self.rank == 0 else None,
-                                                              group=self.saver.group)
-        if self.rank == 0:  # a step saved again after a restart from an older snapshot: the newer save replaces it
+            self.cadence.every = advice if self.job_group is not None else \
+                collectives.broadcast_object(advice, group=self.saver.group)
+        if self.lead:  # a step saved again after a restart from an older snapshot: the newer save replaces it
             stale = self.dir / store.snapshot_name(info.step)  # type: ignore[operator]
             if stale.exists():
                 store.delete_snapshot(stale)
@@ -161,13 +176,15 @@ class MemoryTier:
         return every
 
     def _on_result(self, result: SaveResult) -> None:
-        """Every rank, on the writer thread: rank 0 records the save and applies the tier's retention."""
-        if self.rank != 0:
+        """Every rank, on the writer thread: each node's first rank records its node's save and applies the
+        tier's retention to its node's directory."""
+        if not self.lead:
             return
+        node = {"node": self.node} if self.nodes > 1 else {}
         if result.ok:
             records.log_event(self.run_dir, "memory_saved", step=result.step, path=str(result.path), bytes=result.bytes,
                               stall_s=result.stall_s, waited_s=result.waited_s, write_s=result.persist_s + result.publish_s,
-                              attempt=self.attempt)
+                              attempt=self.attempt, **node)
             apply_memory_retention(self.dir, self.ckpt_dir, self.keep)  # type: ignore[arg-type]
             if not self.told_first:
                 self.told_first = True
@@ -175,7 +192,8 @@ class MemoryTier:
                       f"({result.bytes / 2**20:.1f} MiB, written in {result.persist_s + result.publish_s:.3f}s)",
                       file=sys.stderr, flush=True)
         else:
-            records.log_event(self.run_dir, "memory_save_failed", step=result.step, error=result.error, attempt=self.attempt)
+            records.log_event(self.run_dir, "memory_save_failed", step=result.step, error=result.error, attempt=self.attempt,
+                              **node)
             print(f"ckptrun: memory-tier save failed at step {result.step}: {result.error}", file=sys.stderr, flush=True)
 
     def _account(self, results: list[SaveResult]) -> None:

@@ -48,7 +48,7 @@ class OwnedKeys:
                  first_rank: frozenset[str] = frozenset()) -> set[str]:
         """Collective on ``group`` (except in a world of one): every rank calls it at the same save.
         ``first_rank``: keys only rank 0 writes (see :func:`dcp_io.owned_keys`)."""
-        if collectives.world_size() == 1:
+        if collectives.world_size(group) == 1:
             return set(tensors)
         digests = collectives.all_gather_object(layout_digest(tensors) + "|" + ",".join(sorted(first_rank)), group=group)
         if digests != self._digests:

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -65,11 +65,11 @@ class Saver:
 
     def __init__(self, ckpt_dir: Path, algorithm: str, asynchronous: bool, overlap: str = "wait",
                  remote: FsspecStore | None = None, keep_local: bool = True, nice: int | None = None,
-                 duty: float | None = None) -> None:
+                 duty: float | None = None, group: Any = None) -> None:
         self.ckpt_dir, self.algorithm, self.asynchronous, self.overlap = ckpt_dir, algorithm, asynchronous, overlap
         self.duty = WRITER_DUTY if duty is None else duty  # background writer only; ``nice`` likewise
         self.remote, self.keep_local = remote, keep_local  # an object store: each save is uploaded after its local publish
-        self.group = collectives.new_group()
+        self.group = group if group is not None else collectives.new_group()  # ``group``: a node's own snapshots
         self.stager = Stager()
         self.owned = OwnedKeys()
         self.pool = ThreadPoolExecutor(1, "ckptrun-persist", initializer=_lower_priority,
@@ -106,7 +106,7 @@ class Saver:
                        {k: t.detach().to("cpu", copy=True) for k, t in state.rank_tensors.items()},
                        staged_bytes=local_bytes(mine) if copies else 0, allocated_bytes=allocated)
         replicas = digests({k: v for k, v in state.shared_tensors.items() if k not in state.first_rank_keys}) \
-            if collectives.world_size() > 1 else {}  # every rank's replica; DDP buffers are rank 0's by design
+            if collectives.world_size(self.group) > 1 else {}  # every rank's replica; DDP buffers are rank 0's by design
         stall = time.monotonic() - started + waited
         rss = psutil.Process().memory_info().rss
 
@@ -117,7 +117,7 @@ class Saver:
             if refused is not None:
                 fault("done")
                 on_result(refused)
-                if collectives.world_size() > 1:  # rank 0 recorded it before any rank acts on it (and may exit)
+                if collectives.world_size(self.group) > 1:  # rank 0 recorded it before any rank acts on it (and may exit)
                     collectives.barrier(group=self.group)
                 return refused
             with pacing.paced(self.duty if background else 1.0) as pacer, (hashing.helpers(1) if background else nullcontext()):
@@ -141,9 +141,9 @@ class Saver:
 
     def _new_temp_dir(self, step: int) -> Path:
         """Rank 0 creates the save's temp dir and tells the others (a world of one needs no broadcast)."""
-        if collectives.world_size() == 1:
+        if collectives.world_size(self.group) == 1:
             return store.new_temp_dir(self.ckpt_dir, step)
-        made = store.new_temp_dir(self.ckpt_dir, step) if collectives.rank() == 0 else None
+        made = store.new_temp_dir(self.ckpt_dir, step) if collectives.rank(self.group) == 0 else None
         return collectives.broadcast_object(made, group=self.group)
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -160,7 +160,7 @@ class Saver:
         refused result (the same on every rank), and the temp dir is removed."""
         problem = first_nonfinite(tensors)
         refused = None
-        if collectives.world_size() > 1:
+        if collectives.world_size(self.group) > 1:
             rows = collectives.all_gather_object((problem, replicas), group=self.group)
             found = [f"rank {r}: {row[0]}" for r, row in enumerate(rows) if row[0]]
             problem = found[0] if found else None
@@ -170,7 +170,7 @@ class Saver:
                                      diverged=(diverged.tensor, diverged.ranks))
         if problem is not None:
             refused = SaveResult(False, step, error=problem, refused="non-finite")
-        if refused is not None and collectives.rank() == 0:
+        if refused is not None and collectives.rank(self.group) == 0:
             shutil.rmtree(temp_dir, ignore_errors=True)
         return refused
 
@@ -217,7 +217,7 @@ class Saver:
         new_buffers = self.stager.bytes_needed(mine)
         if problem is None and new_buffers and psutil.virtual_memory().available < new_buffers * DISK_MARGIN:
             problem = f"staging needs {new_buffers / 2**20:.0f} MiB of host memory, {psutil.virtual_memory().available / 2**20:.0f} MiB available"
-        if collectives.world_size() == 1:
+        if collectives.world_size(self.group) == 1:
             return problem
         problems = [p for p in collectives.all_gather_object(problem, group=self.group) if p]
         return problems[0] if problems else None
@@ -229,7 +229,7 @@ class Saver:
         if self.remote is None or self.keep_local:
             return
         collectives.barrier(group=self.group)  # a peer may still be reading the restored copy
-        if collectives.rank() == 0:
+        if collectives.rank(self.group) == 0:
             evict_staging(self.ckpt_dir)
 
     def close(self) -> None:

@@ -61,28 +61,29 @@ def persist_and_publish(
     background writer thread (async saves); it only reads the staged copies.
     """
     started = time.monotonic()
-    rank, world = collectives.rank(), collectives.world_size()
-    entries, error, table = _persist_durably(temp_dir, state, rank, algorithm, fault, group)
+    rank, world = collectives.rank(), collectives.world_size()  # files are tagged with the job's rank
+    lead, members = collectives.rank(group) == 0, collectives.world_size(group)  # a node's own snapshot: its ranks
+    entries, error, table = _persist_durably(temp_dir, state, rank, lead, algorithm, fault, group)
     persist_done = time.monotonic()
-    gathered = _gather((entries, error, state.staged_bytes, state.allocated_bytes), world, group)
+    gathered = _gather((entries, error, state.staged_bytes, state.allocated_bytes), members, group)
     staged = tuple(g[2] for g in gathered)
     allocated = tuple(g[3] for g in gathered)
     errors = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1]]
     if errors:
         errors.append(_free_space(temp_dir.parent))
-        if rank == 0:
+        if lead:
             store.clean_temp_dirs(temp_dir.parent)
-        if world > 1:
+        if members > 1:
             collectives.barrier(group)
         return SaveResult(False, info.step, error="; ".join(errors), persist_s=persist_done - started)
     fault("before-manifest")
     result: Any = None
-    if rank == 0:
+    if lead:
         files = sorted((e for g in gathered for e in g[0]), key=lambda e: e.path)
         result = _publish(temp_dir, files, table, info, world, fault)
     else:
-        fault("before-publish")  # the publisher is rank 0; other ranks wait for it here
-    if world > 1:
+        fault("before-publish")  # the publisher is the group's first rank; the others wait for it here
+    if members > 1:
         result = collectives.broadcast_object(result, group=group)
     if isinstance(result, str):
         return SaveResult(False, info.step, error=result, persist_s=persist_done - started)
@@ -99,7 +100,7 @@ def _gather(obj: Any, world: int, group: Any) -> list[Any]:
 _durability = threading.local()  # the FsyncBatch of the save persisting on this thread, if any
 
 
-def _persist_durably(temp_dir: Path, state: State, rank: int, algorithm: str, fault: FaultHook,
+def _persist_durably(temp_dir: Path, state: State, rank: int, lead: bool, algorithm: str, fault: FaultHook,
                      group: Any) -> tuple[list[FileEntry], str | None, dict[str, TensorEntry]]:
     """:func:`_persist`, with every file it wrote durable on return.
 
@@ -111,10 +112,10 @@ def _persist_durably(temp_dir: Path, state: State, rank: int, algorithm: str, fa
     _durability.batch = batch
     try:
         with zip_crc.skipped():  # the manifest digests cover every byte
-            entries, error, table = _persist(temp_dir, state, rank, algorithm, fault, group)
+            entries, error, table = _persist(temp_dir, state, rank, lead, algorithm, fault, group)
     finally:
         _durability.batch = None
-    if rank == 0 and error is None:
+    if lead and error is None:
         batch.directory(temp_dir / DCP_DIR)
     try:
         batch.wait()
@@ -123,7 +124,7 @@ def _persist_durably(temp_dir: Path, state: State, rank: int, algorithm: str, fa
     return entries, error, table
 
 
-def _persist(temp_dir: Path, state: State, rank: int, algorithm: str, fault: FaultHook,
+def _persist(temp_dir: Path, state: State, rank: int, lead: bool, algorithm: str, fault: FaultHook,
              group: Any) -> tuple[list[FileEntry], str | None, dict[str, TensorEntry]]:
     """Write this rank's files (its share of the DCP state, tagged with its rank); DCP runs collectively,
     so every rank must call it. Also returns the global shape and dtype of every DCP tensor."""
@@ -143,7 +144,7 @@ def _persist(temp_dir: Path, state: State, rank: int, algorithm: str, fault: Fau
     if error:
         return entries, error, table
     try:
-        if rank == 0:
+        if lead:  # the group's first rank (the job's rank 0, or a node's first for a node's own snapshot)
             entries.append(_write_json(temp_dir / STATE_JSON, state.shared_tree, algorithm))
         entries.append(_write_json(temp_dir / rank_json(rank), state.rank_tree, algorithm))
         entries.append(_write_tensors(temp_dir / rank_tensors(rank), state.rank_tensors, algorithm))
