@@ -22,11 +22,13 @@ LIGHT = ["--", "--num-workers", "0"]  # no loader workers to start: shorter runs
 @pytest.mark.timeout(240)
 def test_auto_cadence_follows_daly_and_a_crash_resumes_exactly_over_budget(tmp_path: Path, cleanup: Cleanup) -> None:
     """M = 10 h: after the first save (which measures δ) Daly's interval is tens of seconds, so the kill
-    after step 20 restarts from that first save and replays the steps since. The estimate's teardown is bounded by the 60 s
-    grace period (no restart yet), over the 50 s budget: one warning, the run goes on."""
+    after step 20 restarts from that first save and replays the steps since. Before any restart the estimate's
+    teardown is a crash's (SIGKILL 1 s after SIGTERM), not the 60 s grace period a stop may take (issue 26: the
+    grace period made the first estimate 52x the measured RTO); over the 500 ms budget: one warning, the run
+    goes on."""
     run_dir = cleanup.run_dir(tmp_path / "runs" / "auto")
     result = ckptrun("launch", "--nproc-per-node", "2", *QUICK, "--name", "auto", "--save-every", "auto", "--mtbf", "10h",
-                     "--rto-budget", "50s", "--inject-fault", "kill:rank=1:step=20", *LIGHT, cwd=tmp_path, timeout=230)
+                     "--rto-budget", "500ms", "--inject-fault", "kill:rank=1:step=20", *LIGHT, cwd=tmp_path, timeout=230)
     assert result.returncode == 0, result.stderr[-3000:]
     restart = one(run_dir, "restart")
     assert restart["resume_verdict"] == "exact", restart
@@ -36,12 +38,14 @@ def test_auto_cadence_follows_daly_and_a_crash_resumes_exactly_over_budget(tmp_p
     assert 20 - restart["snapshot_step"] - 1 <= restart["replayed_steps"] <= 20 - restart["snapshot_step"], restart
     estimates = events(run_dir, "rto_estimate")
     first = estimates[0]
-    assert first["attempt"] == 1 and first["ok"] is False and first["budget_s"] == 50.0
+    assert first["attempt"] == 1 and first["ok"] is False and first["budget_s"] == 0.5
     assert first["rto_s"] == pytest.approx(sum(c["value_s"] for c in first["components"].values()))
-    assert first["components"]["teardown"]["source"] == "assumed" and first["largest"] == "teardown"
-    assert result.stderr.count("warning: RTO estimate") == 1 and "exceeds --rto-budget 50.0 s" in result.stderr
+    teardown = first["components"]["teardown"]
+    assert (teardown["source"], teardown["value_s"]) == ("configured", 1.0) and "SIGKILL" in teardown["detail"]
+    assert first["largest"] == "restart" and first["rto_s"] < 60, first
+    assert result.stderr.count("warning: RTO estimate") == 1 and "exceeds --rto-budget 500 ms" in result.stderr
     assert restart["rto_measured_s"] == restart["rto_s"] > 0
-    assert (restart["rto_estimated_s"], restart["rto_budget_s"]) == (first["rto_s"], 50.0)
+    assert (restart["rto_estimated_s"], restart["rto_budget_s"]) == (first["rto_s"], 0.5)
     assert "resume check: exact over" in result.stderr
     cadence = events(run_dir, "cadence")
     # a change is agreed with the facts the ranks share every N steps: on a slow machine the kill may come before

@@ -24,6 +24,7 @@ from ckptrun.cli.recovery_budget import rto_measure as measure
 from ckptrun.cli.recovery_budget import rto_relaunch
 from ckptrun.cli.recovery_budget.rto_relaunch import RelaunchPath
 from ckptrun.cli.recovery_budget.rto_model import ASSUMED, CONFIGURED, ESTIMATED, HISTORY, MEASURED, UNKNOWN, Component, lost_work
+from ckptrun.cli.supervision.attempt import FAILED_GRACE_S
 from ckptrun.cli.supervision.policy import STACK_WAIT_S, RestartPolicy, Timeouts
 from ckptrun.cli.supervision.spec import LaunchSpec
 from ckptrun.runtime.manifest import Manifest
@@ -94,7 +95,9 @@ def teardown(target: Target, noop: measure.NoopTimes | None) -> Component:
         return Component("teardown", noop.teardown_s, MEASURED,
                          f"the supervisor's teardown of a no-op {noop.world}-rank torchrun tree ({noop.path.words}); "
                          f"bound: grace period {fmt(grace)} ({where})", facts)
-    return Component("teardown", float(grace), ASSUMED, f"the grace period ({where}) as a bound", facts)
+    return Component("teardown", FAILED_GRACE_S, CONFIGURED,
+                     f"a crash's teardown: the survivors get SIGTERM, then SIGKILL after {fmt(FAILED_GRACE_S)} (the grace "
+                     f"period {fmt(grace)} ({where}) bounds a stop's teardown, not a failed attempt's)", facts)
 
 
 def backoff(target: Target) -> Component:

@@ -4,7 +4,7 @@ Cheap by construction: no probe and no no-op launch (either would compete
 with training for the machine). Each component is the one ``estimate-rto``
 computes (:mod:`ckptrun.cli.recovery_budget.rto_components`), from this run's history or
 measured now: detect and teardown from past restarts, else the poll interval
-and the grace period as bound; verify timed on the newest snapshot now (the
+and a crash's teardown (SIGKILL one second after SIGTERM, not the grace period a stop may take); verify timed on the newest snapshot now (the
 supervisor's own check: whole-file digests, or manifest and sizes for chunk digests); the
 back-off the next restart will wait; restart from past restarts, else this
 run's own launch to first step (an attempt that restored nothing measured

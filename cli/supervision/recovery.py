@@ -28,7 +28,7 @@ from ckptrun.cli.supervision.resume_check import DIVERGED, ResumeWatch, StepLog,
 # and estimate-rto's and preflight's.
 CUT = {
     "detect": "a crash is found within one poll; for hangs lower --heartbeat-timeout",
-    "teardown": "ranks should exit promptly on SIGTERM; a lower --grace-period bounds the wait",
+    "teardown": "a failed attempt's ranks get SIGKILL 1 s after SIGTERM: a slow teardown is the process tree's own exit (large host memory to unmap, a dataloader's workers)",
     "verify": "verification reads and hashes every byte: blake3 (hash_algorithm = \"blake3\" in --config) hashes faster, smaller snapshots help",
     "backoff": "lower --restart-backoff",
     "restart": "start-up and restore dominate: smaller snapshots, faster storage, fewer imports and less set-up before training",
