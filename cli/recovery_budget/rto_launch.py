@@ -75,6 +75,13 @@ def restart(target: parts.Target) -> Component:
         return parts.restart(target, False, target.manifest.world_size, None)
     launch, count = hist.launch_to_first_step(target.events, target.metrics)
     restore, how, _ = parts.restore_estimate(target, target.manifest.world_size)
+    path, _ = parts.relaunch_path(target)
+    warm, warm_count = hist.warm_launch_to_first_step(target.events, target.metrics)
+    if path.standby and path.warm and warm is not None and launch is not None and warm <= launch:
+        return Component("restart", warm + restore, ESTIMATED,
+                         f"this run's first launch to first step {fmt(launch)} less its interpreter start and "
+                         f"`import torch` = {fmt(warm)} (history, {warm_count} attempt(s): a restart's ranks are forked "
+                         f"from the waiting standby agent past them) + {how}", {"relaunch_path": path.name, "cold_s": launch})
     if launch is None:
         return Component("restart", restore, ESTIMATED, how + "; start-up not included (no attempt reached a step yet)")
     return Component("restart", launch + restore, ESTIMATED,

@@ -85,6 +85,9 @@ class Restoring:
                                  f"inspect them with `ckptrun verify {self.ckpt_dir}`")
                 if self.env.init_weights is not None:
                     self._start_from_weights(self.env.init_weights)
+                if self.rank == 0:  # a start from nothing: its start-up, which the recovery estimate models a restart on
+                    records.log_event(self.run_dir, "started", attempt=self.env.attempt,
+                                      startup={"process": _process_start_time(), **timeline.MARKS})
                 return self.step
             started = time.monotonic()
             self._check_compatible(snapshot.read_manifest(chosen))
