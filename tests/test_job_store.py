@@ -170,10 +170,12 @@ def _node_job(job: JobStore, node: int, join_timeout: float = 20.0):
     """A NodeJob with only what its between-attempts code reads: the store is real, no ranks start."""
     from types import SimpleNamespace
 
+    from ckptrun.cli.supervision.memory_tier import MemoryDir
     from ckptrun.cli.supervision.node_agent import NodeJob
 
     world = SimpleNamespace(job=job, node=node, settings=SimpleNamespace(leader=node == 0), active=[node],
-                            stop_file_present=lambda: False, say=lambda line: None, event=lambda name, **fields: None)
+                            stop_file_present=lambda: False, say=lambda line: None, event=lambda name, **fields: None,
+                            memory=MemoryDir(None))  # no memory tier
     timeouts = SimpleNamespace(poll=0.02, startup=20.0)
     return NodeJob(world, timeouts, SimpleNamespace(reason=lambda now, present: None), join_timeout)
 

@@ -60,6 +60,18 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
+SCANNED = ("model.", "ema.")  # the weights: a blow-up shows there (and in the loss) first
+
+
+def weights(state: State) -> dict[str, torch.Tensor]:
+    """The staged tensors the finiteness check reads: the tracked model's (and EMA's) weights, not the optimizer
+    moments twice their size (a NaN there reaches the weights and the loss at the next step, where the loss
+    checks and a poisoned restore's blame catch it); every tensor when the run tracks no ``model``."""
+    if "model" not in state.shared_tree.get("objects", {}):
+        return state.shared_tensors
+    return {key: tensor for key, tensor in state.shared_tensors.items() if key.startswith(SCANNED)}
+
+
 class Saver:
     """Owns the staging buffers, the snapshot process group and the background writer."""
 
@@ -72,6 +84,7 @@ class Saver:
         self.group = group if group is not None else collectives.new_group()  # ``group``: a node's own snapshots
         self.stager = Stager()
         self.owned = OwnedKeys()
+        self.scanner = ThreadPoolExecutor(1, "ckptrun-finite")  # the staged floats' finiteness, beside the persist
         self.pool = ThreadPoolExecutor(1, "ckptrun-persist", initializer=_lower_priority,
                                        initargs=(WRITER_NICE if nice is None else nice,)) if asynchronous else None
         self.pending: Future | None = None
@@ -113,16 +126,21 @@ class Saver:
         def work() -> SaveResult:
             self.stager.fence()
             background = self.pool is not None
-            refused = self._agreed_values(info.step, staged.shared_tensors, replicas, temp_dir)
-            if refused is not None:
+            scan = self.scanner.submit(first_nonfinite, weights(staged))  # beside the persist: torch's scan releases
+            # the GIL, so a sync save's stall pays it only where the persist does not already take longer
+
+            def agree() -> SaveResult | None:
+                return self._agreed_values(info.step, scan.result(), replicas, temp_dir)
+
+            with pacing.paced(self.duty if background else 1.0) as pacer, (hashing.helpers(1) if background else nullcontext()):
+                persisted = persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group, agree=agree)
+            self.paused_s += pacer.paused_s
+            if persisted.refused is not None:  # written but never published: the temp dir is gone
                 fault("done")
-                on_result(refused)
+                on_result(persisted)
                 if collectives.world_size(self.group) > 1:  # rank 0 recorded it before any rank acts on it (and may exit)
                     collectives.barrier(group=self.group)
-                return refused
-            with pacing.paced(self.duty if background else 1.0) as pacer, (hashing.helpers(1) if background else nullcontext()):
-                persisted = persist_and_publish(temp_dir, staged, info, self.algorithm, fault, self.group)
-            self.paused_s += pacer.paused_s
+                return persisted
             result = replace(persisted, stall_s=stall, waited_s=waited, asynchronous=self.asynchronous,
                              staging_allocated_bytes=allocated, rss_after_stage_bytes=rss)
             if result.ok and self.remote is not None:
@@ -153,12 +171,11 @@ class Saver:
             return self.stager.stage(tensors)
         return {key: tensor.detach() for key, tensor in tensors.items()}
 
-    def _agreed_values(self, step: int, tensors: dict[str, torch.Tensor], replicas: dict[str, int],
+    def _agreed_values(self, step: int, problem: str | None, replicas: dict[str, int],
                        temp_dir: Path) -> SaveResult | None:
-        """Every rank's staged floats finite and its replicas equal to the others', agreed in one gather over the
-        snapshot group (on the writer's thread: an async save's stall does not pay for the scan); else the
-        refused result (the same on every rank), and the temp dir is removed."""
-        problem = first_nonfinite(tensors)
+        """Every rank's staged floats finite (``problem``: this rank's scan) and its replicas equal to the others',
+        agreed in one gather over the snapshot group once the files are written, before anything is published;
+        else the refused result (the same on every rank), and the temp dir is removed."""
         refused = None
         if collectives.world_size(self.group) > 1:
             rows = collectives.all_gather_object((problem, replicas), group=self.group)
@@ -235,3 +252,4 @@ class Saver:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        self.scanner.shutdown(wait=True)

@@ -54,11 +54,14 @@ def persist_and_publish(
     algorithm: str,
     fault: FaultHook,
     group: Any = None,
+    agree: Callable[[], SaveResult | None] | None = None,
 ) -> SaveResult:
     """Persist this rank's part of a staged snapshot, then publish it collectively on ``group``.
 
     Every rank gets the same result. Runs inline (sync saves) or on the
     background writer thread (async saves); it only reads the staged copies.
+    ``agree`` (every rank, once every file is written and before anything is published): the ranks'
+    verdict on the values; a refused result is returned as it is, unpublished.
     """
     started = time.monotonic()
     rank, world = collectives.rank(), collectives.world_size()  # files are tagged with the job's rank
@@ -76,6 +79,9 @@ def persist_and_publish(
         if members > 1:
             collectives.barrier(group)
         return SaveResult(False, info.step, error="; ".join(errors), persist_s=persist_done - started)
+    refused = agree() if agree is not None else None
+    if refused is not None:
+        return refused
     fault("before-manifest")
     result: Any = None
     if lead:
