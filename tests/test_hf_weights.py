@@ -126,8 +126,9 @@ def exported_state_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
 def test_a_launch_starts_from_init_weights_on_every_rank_and_a_restart_restores_its_snapshot(
         exported_state_job: tuple[Path, Path], tmp_path: Path) -> None:
     """--steps 0: both ranks end holding exactly the exported weights (the trained run's final parameters).
-    Then 10 steps from them with rank 1 killed at step 7: attempt 1 starts from the weights, attempt 2 restores
-    snapshot 5 (not the weights: one init_weights event, of attempt 1)."""
+    Then 10 steps from them with rank 1 killed at step 7 (sync saves: snapshot 5 is published before step 6):
+    attempt 1 starts from the weights, attempt 2 restores snapshot 5 (not the weights: one init_weights event,
+    of attempt 1)."""
     weights, trained = exported_state_job
     run_dir = tmp_path / "zero"
     result = ckptrun("launch", *COMMON, "--run-dir", str(run_dir), "--init-weights", str(weights), str(STATE_JOB),
@@ -140,7 +141,7 @@ def test_a_launch_starts_from_init_weights_on_every_rank_and_a_restart_restores_
     assert json.loads((run_dir / "run.json").read_text())["spec"]["init_weights_sha256"] == started["sha256"]
 
     resumed = tmp_path / "killed"
-    result = ckptrun("launch", *COMMON, "--run-dir", str(resumed), "--init-weights", str(weights),
+    result = ckptrun("launch", *COMMON, "--sync-save", "--run-dir", str(resumed), "--init-weights", str(weights),
                      "--inject-fault", "kill:rank=1:step=7", str(STATE_JOB), "--steps", "10", cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [e["attempt"] for e in read_events(resumed, "init_weights")] == [1]

@@ -42,7 +42,7 @@ def test_auto_cadence_follows_daly_and_a_crash_resumes_exactly_over_budget(tmp_p
     assert first["rto_s"] == pytest.approx(sum(c["value_s"] for c in first["components"].values()))
     teardown = first["components"]["teardown"]
     assert (teardown["source"], teardown["value_s"]) == ("configured", 1.0) and "SIGKILL" in teardown["detail"]
-    assert first["largest"] == "restart" and first["rto_s"] < 60, first
+    assert first["rto_s"] < 60, first
     # the restart goes through the warm standby (forked ranks): the estimate is the first launch less its interpreter
     # start and `import torch`, which a forked rank skips, measured from attempt 1's own `started` event
     started = one(run_dir, "started")
