@@ -121,20 +121,19 @@ def new_group() -> Any:
     return dist.new_group(backend="gloo") if active() else None
 
 
-def node_group() -> Any:
-    """A gloo group of the ranks on this node (torchrun's ``GROUP_RANK``), for node-local snapshots (the memory
+def node_of_each_rank() -> list[int]:
+    """Every rank's node (torchrun's ``GROUP_RANK``), in rank order: one gather, every rank at the same point."""
+    return all_gather_object(int(os.environ.get("GROUP_RANK", "0")))
+
+
+def node_group(nodes: list[int]) -> Any:
+    """A gloo group of the ranks on this node, from :func:`node_of_each_rank`, for node-local snapshots (the memory
     tier on many nodes); every rank calls it at the same point, and each gets its own node's group."""
     if not active():
         return None
-    nodes = all_gather_object(int(os.environ.get("GROUP_RANK", "0")))
     members = [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
     mine, _ = dist.new_subgroups_by_enumeration(members, backend="gloo")
     return mine
-
-
-def node_count() -> int:
-    """How many nodes the job's ranks run on (torchrun's ``GROUP_RANK`` of each; 1 in a single process)."""
-    return len(set(all_gather_object(int(os.environ.get("GROUP_RANK", "0"))))) if active() else 1
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:

@@ -187,10 +187,7 @@ class MemoryDir:
         if self.path is None:
             return durable
         choice = choose(durable, self.path, ckpt_dir, run_id)
-        keep_up_to = choice.snapshot.step if choice.snapshot else -1
-        for entry in store.list_entries(self.path, include_abandoned=True):
-            if entry.step > keep_up_to and entry.kind in ("published", "quarantined"):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        self._drop_newer(choice.snapshot.step if choice.snapshot else -1)
         event("restore_source", **choice.to_event())
         if choice.tier == "memory" or choice.skipped:
             say(f"restore from {choice.tier}: {choice.reason}")
@@ -218,10 +215,7 @@ class MemoryDir:
         the memory snapshots newer than the choice go (a future the restart will not replay)."""
         if self.path is None:
             return durable
-        keep_up_to = step if step is not None else durable.step if durable is not None else -1
-        for entry in store.list_entries(self.path, include_abandoned=True):
-            if entry.step > keep_up_to and entry.kind in ("published", "quarantined"):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        self._drop_newer(step if step is not None else durable.step if durable is not None else -1)
         chosen = Snapshot(self.path / store.snapshot_name(step), step) if step is not None else durable
         tier = "memory" if step is not None else _tier(durable)
         event("restore_source", tier=tier, snapshot=str(chosen.path) if chosen else None,
@@ -229,6 +223,12 @@ class MemoryDir:
         if step is not None:
             say(f"restore from memory: {why}")
         return chosen
+
+    def _drop_newer(self, keep_up_to: int) -> None:
+        """Delete the memory snapshots newer than the restart's choice: a future the restart will not replay."""
+        for entry in store.list_entries(self.path, include_abandoned=True):  # type: ignore[arg-type]
+            if entry.step > keep_up_to and entry.kind in ("published", "quarantined"):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
     def remove(self) -> None:
         """Delete the directory and every memory snapshot in it (the run ends, or the supervisor leaves)."""

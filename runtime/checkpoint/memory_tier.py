@@ -102,8 +102,9 @@ class MemoryTier:
         self.run_dir, self.ckpt_dir, self.keep, self.attempt = run_dir, env.checkpoint_dir, env.memory_keep, env.attempt
         auto = env.memory_every_steps == "auto"
         self.cadence = MemoryCadence(1 if auto else int(env.memory_every_steps or 0), auto)
-        self.nodes = collectives.node_count() if self.dir is not None else 1  # every rank: the same env, the same call
-        node_group = collectives.node_group() if self.nodes > 1 else None  # many nodes: each keeps its own ranks' shards
+        placement = collectives.node_of_each_rank() if self.dir is not None else [0]  # every rank: the same env
+        self.nodes = len(set(placement))
+        node_group = collectives.node_group(placement) if self.nodes > 1 else None  # each node keeps its own shards
         self.saver = Saver(self.dir, env.hash_algorithm, asynchronous=True, group=node_group) if self.dir is not None else None
         self.job_group = collectives.new_group() if self.nodes > 1 else None  # the cadence and failures, agreed job-wide
         self.rank = collectives.rank()

@@ -163,6 +163,12 @@ class Saving:
         if change is not None:
             records.log_event(self.run_dir, "cadence", step=self.step, attempt=self.env.attempt, **change)
 
+    def _model_config(self) -> dict[str, Any] | None:
+        """A Hugging Face model's config as JSON, serialised once per attempt (not in every save's stall)."""
+        if not hasattr(self, "_hf_config"):
+            self._hf_config = hf_weights.model_config(self.objects.get("model"))
+        return self._hf_config
+
     def _collect(self) -> snapshot.State:
         if not self.checked_replicas:
             self.checked_replicas = True
@@ -174,7 +180,7 @@ class Saving:
         counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
         shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases,
                        "losses": list(self.anomalies.history),  # the spike detector's window: see restoring._apply
-                       "model_config": hf_weights.model_config(self.objects.get("model"))}  # config.json of an export
+                       "model_config": self._model_config()}  # config.json of an export
         return snapshot.State(shared_tree, tensors, {"rng": rng_tree, per_rank.PREFIX: own_trees},
                               {**rng_tensors, **own_tensors}, first_rank_keys=train_state.first_rank_keys(self.objects))
 
