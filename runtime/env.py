@@ -87,6 +87,8 @@ class RunEnv(BaseModel):
     memory_dir: Path | None = Field(None, description="Node-local tmpfs directory (/dev/shm) the supervisor owns and deletes: memory-tier snapshots; None: no memory tier.")
     memory_every_steps: MemoryCadence = Field(0, description="A memory-tier snapshot every N steps (0: off; auto: the cadence that keeps its cost near 1% of training).")
     memory_keep: int = Field(2, ge=1, description="Memory-tier snapshots kept (each a full copy of the node's state in RAM, plus one being written).")
+    memory_replicas: int | None = Field(None, ge=0, description="Many nodes: each node's memory snapshots are copied to this many other nodes (a ring), verified on receipt, so that a lost node restores from another node's memory (default: 1 with several nodes; 0: off).")
+    memory_fetch: dict[int, int] = Field(default_factory=dict, description="Many nodes, a restore from memory after a lost node: the nodes that fetch their shards of the resume step from a replica, and the node holding it (node -> holder).")
     async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
     save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")
     max_failed_saves: int = Field(3, ge=1, description="Consecutive failed saves that stop the run (exit 1).")
@@ -113,6 +115,17 @@ class RunEnv(BaseModel):
     preflight_steps: int | None = Field(None, ge=1, description="`ckptrun preflight`: run.batches runs exactly this many steps, whatever the script asks.")
     debug: bool = Field(False, description="`ckptrun --debug`: a script's traceback keeps ckptrun's own frames (bootstrap, runpy) above the script's.")
 
+    @field_validator("memory_fetch", mode="before")
+    @classmethod
+    def _node_pairs(cls, value: Any) -> Any:
+        """``CKPTRUN_MEMORY_FETCH=1:0,3:2``: node 1 fetches from node 0, node 3 from node 2."""
+        if isinstance(value, str):
+            try:
+                return {int(node): int(holder) for node, holder in (pair.split(":") for pair in value.split(",") if pair)}
+            except ValueError:
+                raise ValueError("expected NODE:HOLDER pairs separated by commas, e.g. 1:0") from None
+        return value
+
     @field_validator("allow_changes", mode="before")
     @classmethod
     def _split_csv(cls, value: Any) -> Any:
@@ -128,12 +141,14 @@ class RunEnv(BaseModel):
         """Serialise to ``CKPTRUN_*`` variables (unset fields are left out)."""
         env: dict[str, str] = {}
         for name, value in self.model_dump().items():
-            if value is None:
+            if value is None or value == {}:
                 continue
             if isinstance(value, bool):
                 text = "1" if value else "0"
             elif isinstance(value, (tuple, list)):
                 text = ",".join(value)
+            elif isinstance(value, dict):
+                text = ",".join(f"{key}:{item}" for key, item in value.items())
             else:
                 text = str(value)
             env[PREFIX + name.upper()] = text

@@ -26,6 +26,7 @@ def test_run_env_round_trips_every_field() -> None:
         save_every_auto=True, mtbf_seconds=3600.0, save_interval_cap_seconds=0.1 + 0.7, preflight="resume",
         preflight_steps=10, ckpt_url="s3://bucket/prefix", local_cache=True, storage_options='{"anon": false}',
         memory_dir=Path("/dev/shm/ckptrun-r1-host"), memory_every_steps=4, memory_keep=3, node=1,
+        memory_replicas=2, memory_fetch={1: 0, 3: 2},
         replica_check_every_steps=25, init_weights=Path("/weights/model.safetensors"), init_weights_sha256="ab" * 32,
     )
     variables = env.to_env()

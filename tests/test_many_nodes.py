@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -146,31 +147,120 @@ def test_the_memory_tier_on_two_nodes_restarts_each_node_from_its_own_memory_cop
     assert not dirs[0].exists() and not dirs[1].exists(), "each launch deletes its memory directory"
 
 
+FSDP_JOB = [str(Path(__file__).parent / "fixtures" / "fsdp_job.py"), "--steps", "20"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """An uninterrupted two-node FSDP2 run's losses (each node holds other shards of every parameter and of
+    AdamW's moments): what every recovered FSDP2 run of this module repeats bitwise."""
+    cwd = tmp_path_factory.mktemp("fsdp-reference")
+    tracker = Cleanup()
+    try:
+        reference = Pair(cwd, tracker, "fsdp-reference")
+        for node in (0, 1):
+            reference.start(node, *reference.flags(node), *QUICK, *NO_RESTART, *FSDP_JOB)
+        assert (reference.wait(0), reference.wait(1)) == (0, 0), f"{reference.log(0)}\n{reference.log(1)}"
+        want = final_losses(reference.run_dir)
+        assert sorted(want) == list(range(1, 21))
+        return want
+    finally:
+        tracker.close()
+
+
+def _memory_flags(pair: Pair, node: int, root: Path, *extra: str) -> list[str]:
+    """A node of a memory-tier job: its own --memory-dir (its "RAM") and address (each node keeps its ranks)."""
+    return [*pair.flags(node), *QUICK, "--memory-every-steps", "2", "--memory-dir", str(root / f"ram-node{node}"),
+            "--local-addr", f"127.0.0.{node + 1}", *extra]
+
+
 @pytest.mark.timeout(420)
 def test_fsdp2_on_two_nodes_restores_each_nodes_own_shards_from_its_memory_exactly(
-        tmp_path: Path, cleanup: Cleanup) -> None:
-    """The same with FSDP2 (each node holds other shards of every parameter and of AdamW's moments): node 1's
-    rank killed after step 17, both nodes restore their own shards of the newest step both hold (16, or 14 as
-    above) from their own memory, and the losses equal an uninterrupted two-node FSDP2 run's bitwise."""
-    script = [str(Path(__file__).parent / "fixtures" / "fsdp_job.py"), "--steps", "20"]
-    reference = Pair(tmp_path, cleanup, "fsdp-reference")
-    for node in (0, 1):
-        reference.start(node, *reference.flags(node), *QUICK, *NO_RESTART, *script)
-    assert (reference.wait(0), reference.wait(1)) == (0, 0), f"{reference.log(0)}\n{reference.log(1)}"
+        tmp_path: Path, cleanup: Cleanup, fsdp_reference: dict[int, float]) -> None:
+    """The same with FSDP2: node 1's rank killed after step 17, both nodes restore their own shards of the newest
+    step both hold (16, or 14 as above) from their own memory, and the losses equal an uninterrupted two-node
+    FSDP2 run's bitwise. Meanwhile each node's memory snapshots were replicated to the other, verified on receipt."""
     pair = Pair(tmp_path, cleanup, "fsdp-memory")
     for node in (0, 1):
-        pair.start(node, *pair.flags(node), *QUICK, "--save-every-steps", "20", "--memory-every-steps", "2",
-                   "--memory-dir", str(tmp_path / f"ram-node{node}"), "--local-addr", f"127.0.0.{node + 1}",
-                   "--inject-fault", "kill:rank=1:step=17", *script)
+        pair.start(node, *_memory_flags(pair, node, tmp_path, "--save-every-steps", "20",
+                                        "--inject-fault", "kill:rank=1:step=17"), *FSDP_JOB)
     assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
     sources = events(pair.run_dir, "restore_source")
     step = sources[0]["step"]
     assert step in (14, 16) and sorted((e["node"], e["tier"], e["step"]) for e in sources) == \
         [(0, "memory", step), (1, "memory", step)], sources
     assert [(e["attempt"], e["step"], e["tier"]) for e in events(pair.run_dir, "restored")] == [(2, step, "memory")]
-    want = final_losses(reference.run_dir)
-    assert sorted(want) == list(range(1, 21))
-    assert_losses_equal(pair.run_dir, want)
+    assert_losses_equal(pair.run_dir, fsdp_reference)
+    received = events(pair.run_dir, "replica_received")
+    assert {(e["node"], e["from_node"]) for e in received} == {(0, 1), (1, 0)}, received
+    assert all(e["verified"] and e["bytes"] > 0 and e["step"] % 2 == 0 for e in received), received
+    assert not events(pair.run_dir, "replica_rejected")
+
+
+def _lose_node_1(pair: Pair, tmp_path: Path, extra: list[str]) -> None:
+    """Rank 1 hangs after step 17 of attempt 1 (its heartbeat timeout is far off); once node 0 holds a verified
+    replica of node 1's step 16, node 1's launcher is SIGKILLed and its memory dir deleted (the node and its RAM
+    are gone); a new node-1 launcher joins, as a scheduler would start one."""
+    fault = "hang:rank=1:step=17:attempt=1"
+    for node in (0, 1):
+        pair.start(node, *_memory_flags(pair, node, tmp_path, *extra, "--heartbeat-timeout", "60",
+                                        "--node-join-timeout", "120", "--inject-fault", fault), *FSDP_JOB)
+    wait_for(lambda: any(e["node"] == 0 and e["from_node"] == 1 and e["step"] == 16
+                         for e in events(pair.run_dir, "replica_received")), timeout=150, what="node 1's step 16 on node 0")
+    os.kill(pair.procs[1].pid, signal.SIGKILL)
+    pair.procs[1].wait()
+    shutil.rmtree(tmp_path / "ram-node1")
+
+
+@pytest.mark.timeout(420)
+def test_a_lost_node_restores_its_fsdp2_shards_from_a_replica_in_the_other_nodes_memory_exactly(
+        tmp_path: Path, cleanup: Cleanup, fsdp_reference: dict[int, float]) -> None:
+    """Issue 25 item 3: memory tier every 2 steps, one replica (the default with two nodes), durable every 20.
+    Node 1 is lost after step 17 with its memory; the relaunched node 1 fetches its shards of step 16 from node
+    0's replica, verifying every chunk as it arrives (tier peer-memory, the peer, the bytes moved, no durable
+    byte read), node 0 restores its own copy, and the losses equal the uninterrupted two-node run bitwise."""
+    pair = Pair(tmp_path, cleanup, "peer-memory")
+    flags = ["--save-every-steps", "20"]
+    _lose_node_1(pair, tmp_path, flags)
+    pair.start(1, *_memory_flags(pair, 1, tmp_path, *flags, "--heartbeat-timeout", "60"), *FSDP_JOB)
+    assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
+    sources = events(pair.run_dir, "restore_source")
+    assert sorted((e["node"], e["tier"], e["step"], e["durable_bytes_read"], e.get("peer")) for e in sources) == \
+        [(0, "memory", 16, 0, None), (1, "peer-memory", 16, 0, 0)], sources
+    fetched = events(pair.run_dir, "peer_fetched")
+    assert [(e["node"], e["peer"], e["step"], e["verified"]) for e in fetched] == [(1, 0, 16, True)], fetched
+    assert fetched[0]["bytes_moved"] == [e for e in sources if e["node"] == 1][0]["bytes_moved"] > 0
+    assert [(e["attempt"], e["step"], e["tier"]) for e in events(pair.run_dir, "restored")] == [(2, 16, "memory")]
+    assert_losses_equal(pair.run_dir, fsdp_reference)
+
+
+@pytest.mark.timeout(480)
+def test_a_flipped_byte_in_the_replica_is_caught_on_arrival_and_the_restart_after_is_durable_and_exact(
+        tmp_path: Path, cleanup: Cleanup, fsdp_reference: dict[int, float]) -> None:
+    """The same loss, with one byte of node 0's replica of node 1's shards flipped before node 1 comes back:
+    the relaunched node 1 rejects it on arrival naming the chunk, node 0 drops that replica, and one restart
+    later both nodes resume from the durable snapshot of step 10, bitwise equal to the uninterrupted run."""
+    pair = Pair(tmp_path, cleanup, "peer-flip")
+    flags = ["--save-every-steps", "10"]
+    _lose_node_1(pair, tmp_path, flags)
+    replica = tmp_path / "ram-node0" / "replicas" / "node1" / "step-000000016"
+    data = next(p for p in sorted((replica / "dcp").glob("*.distcp")) if p.stat().st_size > 100)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    pair.start(1, *_memory_flags(pair, 1, tmp_path, *flags, "--heartbeat-timeout", "60"), *FSDP_JOB)
+    assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
+    failed = events(pair.run_dir, "restore_failed")
+    assert [e["attempt"] for e in failed] == [2] and "do not match their digest" in failed[0]["reason"], failed
+    dropped = events(pair.run_dir, "replica_dropped")
+    assert [(e["node"], e["of_node"], e["step"]) for e in dropped] == [(0, 1, 16)], dropped
+    assert not events(pair.run_dir, "peer_fetched")
+    sources = events(pair.run_dir, "restore_source")
+    assert sorted((e["tier"], e["node"], e["step"]) for e in sources) == \
+        [("disk", 0, 10), ("disk", 1, 10), ("memory", 0, 16), ("peer-memory", 1, 16)], sources
+    assert [r["attempt"] for r in events(pair.run_dir, "restart")] == [2, 3]
+    assert [(e["attempt"], e["step"], e["tier"]) for e in events(pair.run_dir, "restored")] == [(3, 10, "disk")]
+    assert_losses_equal(pair.run_dir, fsdp_reference)
 
 
 @pytest.mark.timeout(360)

@@ -84,6 +84,7 @@ def launch(
     memory_every_steps: Optional[str] = _opt("--memory-every-steps", "Memory tier: a snapshot every N steps into /dev/shm, which a restart on this node restores first (auto: ~1% overhead; 0: off). [default: 0]", POLICY, metavar="N|auto"),
     memory_dir: Optional[Path] = _opt("--memory-dir", "The memory tier's directory on this node (a tmpfs: its RAM), created and deleted by the launch. [default: /dev/shm/ckptrun-RUN-HOST, many nodes: ...-nodeK]", POLICY, metavar="DIR"),
     memory_keep: Optional[int] = _opt("--memory-keep", "Memory-tier snapshots kept in /dev/shm (plus one being written). [default: 2]", POLICY),
+    memory_replicas: Optional[int] = _opt("--memory-replicas", "Many nodes: copy each node's memory snapshots to R other nodes, verified on receipt, so a lost node restores from memory (0: off). [default: 1 with several nodes]", POLICY, metavar="R"),
     init_weights: Optional[Path] = _opt("--init-weights", "Start from these weights when there is no snapshot to restore: a .safetensors file or a Hugging Face directory (model.safetensors, or shards + index); hashed here, loaded strictly into the tracked model.", POLICY, metavar="PATH"),
     decision_every_steps: Optional[str] = _opt("--decision-every-steps", "Steps whose losses and stop/save requests the ranks share in one collective; a stop is agreed at most N steps late (auto: ~1 exchange per 250 ms, N <= 32; 1: every step). [default: auto]", POLICY, metavar="N|auto"),
     seed: Optional[int] = _opt("--seed", "Base seed (rank r uses seed + r). [default: 0]", POLICY),

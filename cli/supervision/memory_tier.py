@@ -199,36 +199,56 @@ class MemoryDir:
     def usable_steps(self, ckpt_dir: Path, run_id: str) -> list[int]:
         """Many nodes: the steps of this node's memory snapshots a restart could use (this run, the current
         lineage, manifest and sizes right), newest first; what the node tells the leader after a teardown."""
+        return [step for step, _ in self._usable(self.path, ckpt_dir, run_id)] if self.path is not None else []
+
+    def replica_steps(self, ckpt_dir: Path, run_id: str) -> dict[int, dict[int, int]]:
+        """Many nodes: the replicas of other nodes' memory snapshots this node holds, verified on receipt and
+        usable as :meth:`usable_steps` says ({node: {step: bytes}}); also told the leader after a teardown."""
         if self.path is None:
-            return []
+            return {}
+        found = {}
+        for directory in sorted((self.path / store.REPLICAS_DIR).glob("node*")):
+            if directory.name[4:].isdigit():
+                found[int(directory.name[4:])] = dict(self._usable(directory, ckpt_dir, run_id))
+        return found
+
+    @staticmethod
+    def _usable(directory: Path, ckpt_dir: Path, run_id: str) -> list[tuple[int, int]]:
+        """(step, bytes) of the snapshots in ``directory`` a restart could use, newest first."""
         try:
             lineage = store.read_lineage(ckpt_dir)
         except store.LineageError:
             return []
-        entries = [e for e in store.list_entries(self.path, include_abandoned=False) if e.kind == "published"]
-        return [e.step for e in sorted(entries, key=lambda e: e.step, reverse=True)
+        entries = [e for e in store.list_entries(directory, include_abandoned=False) if e.kind == "published"]
+        return [(e.step, read_manifest(e.path).total_bytes) for e in sorted(entries, key=lambda e: e.step, reverse=True)
                 if _unusable(e.path, lineage, run_id) is None and verify_snapshot(e.path, at_load=True).ok]
 
     def use_step(self, step: int | None, why: str, event: Callable[..., None], say: Callable[[str], None],
-                 durable: Snapshot | None = None) -> Snapshot | None:
+                 durable: Snapshot | None = None, peer: dict[str, int] | None = None) -> Snapshot | None:
         """Many nodes: the step the leader chose for every node (None: durable), from this node's directory;
-        the memory snapshots newer than the choice go (a future the restart will not replay)."""
+        ``peer`` ({"from": node, "bytes": n}): this node has no copy of that step, and its ranks fetch their
+        shards from that node's replica before they load (tier ``peer-memory``). The memory snapshots and
+        replicas newer than the choice go (a future the restart will not replay)."""
         if self.path is None:
             return durable
         self._drop_newer(step if step is not None else durable.step if durable is not None else -1)
         chosen = Snapshot(self.path / store.snapshot_name(step), step) if step is not None else durable
-        tier = "memory" if step is not None else _tier(durable)
+        tier = ("peer-memory" if peer else "memory") if step is not None else _tier(durable)
+        fetched = {"peer": peer["from"], "bytes_moved": peer.get("bytes")} if peer else {}
         event("restore_source", tier=tier, snapshot=str(chosen.path) if chosen else None,
-              step=chosen.step if chosen else None, reason=why, skipped=[], durable_bytes_read=0 if step is not None else None)
+              step=chosen.step if chosen else None, reason=why, skipped=[],
+              durable_bytes_read=0 if step is not None else None, **fetched)
         if step is not None:
-            say(f"restore from memory: {why}")
+            say(f"restore from {tier}: {why}")
         return chosen
 
     def _drop_newer(self, keep_up_to: int) -> None:
-        """Delete the memory snapshots newer than the restart's choice: a future the restart will not replay."""
-        for entry in store.list_entries(self.path, include_abandoned=True):  # type: ignore[arg-type]
-            if entry.step > keep_up_to and entry.kind in ("published", "quarantined"):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        """Delete the memory snapshots (and replicas) newer than the restart's choice: a future the restart will
+        not replay."""
+        for directory in [self.path, *sorted((self.path / store.REPLICAS_DIR).glob("node*"))]:  # type: ignore[operator]
+            for entry in store.list_entries(directory, include_abandoned=True):  # type: ignore[arg-type]
+                if entry.step > keep_up_to and entry.kind in ("published", "quarantined"):
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
     def remove(self) -> None:
         """Delete the directory and every memory snapshot in it (the run ends, or the supervisor leaves)."""

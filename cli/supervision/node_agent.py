@@ -76,8 +76,9 @@ class NodeJob:
     def torn_down(self, watch: AttemptWatch) -> None:
         """Tell the leader this node's ranks are gone, and (memory tier) which of its memory steps are usable."""
         memory = self.world.memory.usable_steps(self.world.ckpt_dir, self.world.run_id) if not self.leader else []
+        replicas = self.world.memory.replica_steps(self.world.ckpt_dir, self.world.run_id) if not self.leader else {}
         self._call(self.job.ack_teardown, watch.attempt, self.world.node, teardown_s=watch.teardown_s,
-                   memory_steps=memory)
+                   memory_steps=memory, replica_steps=replicas)
 
     def ended(self, outcome: Outcome, restarts: int) -> None:
         if self.leader:
@@ -127,7 +128,8 @@ class NodeJob:
             pending.update(node_join_s=self.waited, nodes=list(self.world.active), lost_nodes=self.lost_nodes)
         described = describe_snapshot(snapshot)
         if described is not None and self.world.memory.holds(snapshot.path):  # type: ignore[union-attr]
-            described["tier"] = "memory"  # every node resumes from its own copy of that step
+            described["tier"] = "memory"  # every node resumes from its own copy of that step, or fetches it
+            described["fetch"] = self.world.memory_fetch  # ... from another node's replica
         self.job.start_attempt(watch.attempt + 1, described, self.world.active)
 
     def _wait_for_acks(self, attempt: int) -> None:
@@ -258,9 +260,12 @@ class NodeJob:
             if is_next(record, after_attempt, self.world.node):
                 snap = record.get("snapshot")
                 resume = Snapshot(Path(snap["path"]), int(snap["step"])) if snap else None
+                self.world.memory_fetch = {int(n): peer for n, peer in ((snap or {}).get("fetch") or {}).items()}
                 if snap and snap.get("tier") == "memory":
+                    peer = self.world.memory_fetch.get(self.world.node)
+                    held = f"fetched from node {peer['from']}'s replica" if peer else "held by every node"
                     resume = self.world.memory.use_step(int(snap["step"]), f"the leader chose memory step {snap['step']}, "
-                                                        "held by every node", self.world.event, self.world.say)
+                                                        + held, self.world.event, self.world.say, peer=peer)
                 elif int(record["attempt"]) > 1 and self.world.memory.path is not None:
                     self.world.memory.use_step(None, "the leader chose the durable snapshot", self.world.event,
                                                self.world.say, resume)

@@ -36,6 +36,27 @@ RANKS_NAME = "ranks.json"  # in nodes/node-k: the global ranks this node runs in
 RUN_EVENTS = ("attempt_start", "restart", "run_completed", "run_stopped", "gave_up")  # the leader's alone
 
 
+def newest_in_memory(own: dict[int, list[int]], replicas: dict[int, dict[int, dict[int, int]]],
+                     floor: int) -> tuple[int | None, dict[int, dict[str, int]]]:
+    """The newest step above ``floor`` of which every node's shards are in memory somewhere: its own copy, or a
+    replica another node holds; and, for each node without its own copy, the node to fetch it from (the first
+    holder) and its bytes. ``(None, {})`` when no such step exists."""
+    held = {s for steps in own.values() for s in steps} | \
+        {s for of in replicas.values() for steps in of.values() for s in steps}
+    for step in sorted((s for s in held if s > floor), reverse=True):
+        fetch: dict[int, dict[str, int]] = {}
+        for node in own:
+            if step in own[node]:
+                continue
+            holder = next((h for h in sorted(replicas) if h != node and step in replicas[h].get(node, {})), None)
+            if holder is None:
+                break
+            fetch[node] = {"from": holder, "bytes": replicas[holder][node][step]}
+        else:
+            return step, fetch
+    return None, {}
+
+
 class LeaderLost(JobLost):
     """The leader's store went away: this node tears down and exits with the requeue code."""
 
@@ -87,6 +108,7 @@ class NodeWorld(LocalWorld):
         self.verify_for: int | None = None  # set when the leader picks a restart's snapshot
         self.placed = 0  # the attempt whose ranks were written to nodes/node-k/ranks.json
         self.resumed_from_memory = False  # the current attempt restores this node's memory copy
+        self.memory_fetch: dict[int, dict[str, int]] = {}  # the next attempt's fetches from replicas: node -> holder, bytes
 
     # --- launching ---
 
@@ -102,7 +124,8 @@ class NodeWorld(LocalWorld):
 
     def run_env(self, attempt: int, resume_from: Path | None) -> RunEnv:
         """The single-node contract plus this node's rank: the teardown sweep matches (run id, node)."""
-        return super().run_env(attempt, resume_from).model_copy(update={"node": self.node})
+        fetch = {node: int(peer["from"]) for node, peer in self.memory_fetch.items()}
+        return super().run_env(attempt, resume_from).model_copy(update={"node": self.node, "memory_fetch": fetch})
 
     # --- observing ---
 
@@ -162,31 +185,40 @@ class NodeWorld(LocalWorld):
             return super().restart_snapshot()
         self.source.refuse_poisoned(self.attempt_events("snapshot_quarantined"))
         durable = self.newest_snapshot()
-        held = self.memory_steps()
+        own, replicas = self.memory_holdings()
         floor = durable.step if durable is not None else -1
+        self.memory_fetch = {}
         if self.resumed_from_memory and self.attempt_events("restore_failed"):
             return self.memory.use_step(None, "the last memory restore did not load on every node (its ranks were "
-                                        "placed on other nodes? see --local-addr): durable", self.event, self.say, durable)
-        common = set.intersection(*(set(steps) for steps in held.values())) if held else set()
-        best = max((step for step in common if step > floor), default=None)
-        without = sorted(node for node, steps in held.items() if best is None and not any(s > floor for s in steps))
-        why = (f"memory step {best} is held by every node ({len(held)}) and newer than the durable step {floor}"
-               if best is not None else f"no memory step newer than the durable step {floor} is held by every node"
+                                        "placed on other nodes? see --local-addr, or a replica failed its digests "
+                                        "on the way): durable", self.event, self.say, durable)
+        best, fetch = newest_in_memory(own, replicas, floor)
+        without = sorted(node for node, steps in own.items() if best is None and not any(s > floor for s in steps))
+        from_peers = "".join(f", node {n} from node {p['from']}'s replica" for n, p in sorted(fetch.items()))
+        why = (f"memory step {best} is held by every node ({len(own)}{from_peers}) and newer than the durable "
+               f"step {floor}" if best is not None else
+               f"no memory step newer than the durable step {floor} is held by every node"
                + (f" (none on node(s) {', '.join(map(str, without))})" if without else ""))
-        return self.memory.use_step(best, why, self.event, self.say, durable)
+        self.memory_fetch = fetch
+        return self.memory.use_step(best, why, self.event, self.say, durable, fetch.get(self.node))
 
-    def memory_steps(self) -> dict[int, list[int]]:
-        """The usable memory steps of every node of the attempt: this node's own, the others' from their
-        teardown acknowledgements (a node that did not acknowledge holds none)."""
-        steps = {self.node: self.memory.usable_steps(self.ckpt_dir, self.run_id)}
+    def memory_holdings(self) -> tuple[dict[int, list[int]], dict[int, dict[int, dict[int, int]]]]:
+        """The usable memory steps of every node of the attempt, and the replicas each holds of the others'
+        ({holder: {node: {step: bytes}}}): this node's own, the others' from their teardown acknowledgements
+        (a node that did not acknowledge, a lost one, holds none)."""
+        own = {self.node: self.memory.usable_steps(self.ckpt_dir, self.run_id)}
+        replicas = {self.node: self.memory.replica_steps(self.ckpt_dir, self.run_id)}
         others = [n for n in self.active if n != self.node]
         try:
             acks = self.job.teardown_acks(self.attempt, others)
         except StoreUnreachable:
             acks = {}
         for node in others:
-            steps[node] = [int(s) for s in (acks.get(node) or {}).get("memory_steps") or []]
-        return steps
+            ack = acks.get(node) or {}
+            own[node] = [int(s) for s in ack.get("memory_steps") or []]
+            replicas[node] = {int(of): {int(step): int(size) for step, size in steps.items()}
+                              for of, steps in (ack.get("replica_steps") or {}).items()}
+        return own, replicas
 
     def newest_snapshot(self) -> Snapshot | None:
         """A restart's snapshot is verified by every node, a share each (the leader names it); else here alone."""

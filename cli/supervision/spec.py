@@ -51,7 +51,7 @@ def parse_duration(value: Any) -> Any:
 # launch option (a ``--config`` key, and a flag where ``launch`` declares one): declared once, in RunEnv.
 NOT_OPTIONS = frozenset({
     "run_id", "run_dir", "ckpt_dir", "attempt", "supervised", "supervisor_pid", "supervisor_start_time",
-    "resume_from", "save_interval_cap_seconds", "memory_dir", "node", "restart",  # the world's, per attempt
+    "resume_from", "save_interval_cap_seconds", "memory_dir", "memory_fetch", "node", "restart",  # the world's, per attempt
     "save_every_auto", "mtbf_seconds", "heartbeat_interval", "fault",  # from save_every, mtbf, heartbeat_timeout, inject_fault
     "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
     "ckpt_url", "local_cache", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option (store_location)

@@ -13,7 +13,9 @@ with the node, as it should.
 On many nodes the Saver runs over a group of this node's ranks (:func:`collectives.node_group`), so each
 node's directory holds a snapshot of exactly its own ranks' shards (one copy of what is replicated), with
 its own manifest; the cadence advice and the failure count that switches the tier off are agreed job-wide
-in one small gather per memory save (a node that stopped saving alone would leave the others waiting).
+in one small gather per memory save (a node that stopped saving alone would leave the others waiting). Each
+node's lead also sends every memory snapshot it published to ``memory_replicas`` other nodes, verified on
+receipt, and a restore after a lost node fetches that node's shards from a replica (:mod:`replication`).
 
 Why a Saver of its own (its own staging buffers, writer thread and process
 group) rather than the durable one's: shared buffers would make each memory
@@ -51,6 +53,7 @@ from pathlib import Path
 from ckptrun.runtime import collectives, records
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.env import RunEnv
+from ckptrun.runtime.checkpoint import replication
 from ckptrun.runtime.checkpoint.saver import Saver
 from ckptrun.runtime.checkpoint.snapshot import SaveResult, SnapshotInfo, State
 
@@ -116,6 +119,30 @@ class MemoryTier:
         self.previous_step: int | None = None  # ... and its step
         self.step_s = 0.0  # rank 0 (auto): seconds per training step between the last two memory saves
         self.told_first = False
+        self.ring, self.leads_group, self.replicator, self.fetch_plan = None, None, None, {}
+        if self.nodes > 1:  # replicas of each node's memory snapshots on the next nodes of a ring, by the leads
+            self.ring = replication.Ring.of(placement, 1 if env.memory_replicas is None else env.memory_replicas)
+            self.fetch_plan = dict(env.memory_fetch)
+            if self.ring.replicas or self.fetch_plan:
+                self.leads_group = replication.leads_group(self.ring)
+            if self.ring.replicas and self.lead:
+                self.replicator = replication.Replicator(self.ring, self.leads_group, self.node, self.dir,  # type: ignore[arg-type]
+                                                         self.keep, self._event)
+
+    def _event(self, name: str, **fields: object) -> None:
+        records.log_event(self.run_dir, name, attempt=self.attempt, **fields)
+
+    def fetch(self, snapshot: Path) -> str | None:
+        """Before a restore from memory (every rank): the nodes the leader named fetch their shards of
+        ``snapshot``'s step from the node holding a replica (C1 ``memory_fetch``); what went wrong on any node
+        (every rank gets the same answer), or None."""
+        if self.ring is None or not self.fetch_plan or not self.holds(snapshot):
+            return None
+        step = int(store.SNAPSHOT_RE.match(snapshot.name).group(1))  # type: ignore[union-attr]
+        problem = replication.fetch(self.fetch_plan, step, self.ring, self.leads_group, self.node, self.dir,  # type: ignore[arg-type]
+                                    self._event) if self.lead else None
+        problems = [p for p in collectives.all_gather_object(problem) if p]
+        return problems[0] if problems else None
 
     @property
     def on(self) -> bool:
@@ -151,6 +178,8 @@ class MemoryTier:
             stale = self.dir / store.snapshot_name(info.step)  # type: ignore[operator]
             if stale.exists():
                 store.delete_snapshot(stale)
+        if self.replicator is not None:
+            self.replicator.start()
         self.saver.begin(state, info, fault=lambda phase: None, on_result=self._on_result, waited=waited)
         self.cadence.last_step = info.step
         self._measured(info.step, started)
@@ -187,6 +216,8 @@ class MemoryTier:
                               stall_s=result.stall_s, waited_s=result.waited_s, write_s=result.persist_s + result.publish_s,
                               attempt=self.attempt, **node)
             apply_memory_retention(self.dir, self.ckpt_dir, self.keep)  # type: ignore[arg-type]
+            if self.replicator is not None:
+                self.replicator.offer(result.path)  # type: ignore[arg-type]
             if not self.told_first:
                 self.told_first = True
                 print(f"ckptrun: memory tier: step {result.step} in {self.dir} "
@@ -218,3 +249,5 @@ class MemoryTier:
         if self.saver is not None:
             self.settle(wait=True)
             self.saver.close()
+        if self.replicator is not None:
+            self.replicator.close()

@@ -90,6 +90,9 @@ class Restoring:
                                       startup={"process": _process_start_time(), **timeline.MARKS})
                 return self.step
             started = time.monotonic()
+            fetched = self.memory.fetch(chosen)  # a lost node's shards, from another node's replica (many nodes)
+            if fetched is not None:
+                self._restore_failed(chosen, fetched)
             self._check_compatible(snapshot.read_manifest(chosen))
             try:
                 loaded = self._load(chosen)

@@ -42,6 +42,14 @@ QUARANTINE_DIR = "quarantine"
 REASON_NAME = "reason.json"
 
 
+REPLICAS_DIR = "replicas"  # in a memory-tier directory: the replicas of other nodes' memory snapshots
+
+
+def replica_dir(memory_dir: Path, node: int) -> Path:
+    """Where a node's memory directory keeps the replicas of node ``node``'s memory snapshots (step-N inside)."""
+    return memory_dir / REPLICAS_DIR / f"node{node}"
+
+
 def snapshot_name(step: int) -> str:
     return f"step-{step:09d}"
 
