@@ -154,9 +154,11 @@ class ScriptedNodeWorld(ScriptedWorld):
 
     def __post_init__(self) -> None:
         self.active = list(self.nodes)
-        self.settings = SimpleNamespace(leader=self.node == 0, min_nodes=self.min_nodes)
+        self.settings = SimpleNamespace(leader=self.node == 0, min_nodes=self.min_nodes, spare=None)
         self.spec = SimpleNamespace(allow_reshard=False)
         self.memory = MemoryDir(None)  # no memory tier: nothing to tell the leader after a teardown
+        self.memory_fetch: dict = {}
+        self.spares = None  # no spare launchers
         self.ckpt_dir, self.run_id = Path("/nonexistent"), "scripted"
         self.watch = NodeWatch(5.0)
 

@@ -173,9 +173,9 @@ def _node_job(job: JobStore, node: int, join_timeout: float = 20.0):
     from ckptrun.cli.supervision.memory_tier import MemoryDir
     from ckptrun.cli.supervision.node_agent import NodeJob
 
-    world = SimpleNamespace(job=job, node=node, settings=SimpleNamespace(leader=node == 0), active=[node],
+    world = SimpleNamespace(job=job, node=node, settings=SimpleNamespace(leader=node == 0, spare=None), active=[node],
                             stop_file_present=lambda: False, say=lambda line: None, event=lambda name, **fields: None,
-                            memory=MemoryDir(None))  # no memory tier
+                            memory=MemoryDir(None), spares=None, memory_fetch={})  # no memory tier, no spares
     timeouts = SimpleNamespace(poll=0.02, startup=20.0)
     return NodeJob(world, timeouts, SimpleNamespace(reason=lambda now, present: None), join_timeout)
 
@@ -260,3 +260,55 @@ def test_a_busy_coordination_port_is_refused_with_the_fix() -> None:
             host_job_store(settings)
     assert error.value.exit_code == EXIT_REFUSED and "--coord-port" in (error.value.hint or "")
     assert f"127.0.0.1:{port}" in error.value.message and "\n" not in error.value.message
+
+
+def test_spares_join_beat_and_the_leader_promotes_a_live_one_which_then_holds_the_node(tmp_path) -> None:
+    """Issue 25 item 5, the store's part: a spare joins (no node rank) and beats; the leader promotes the first
+    live one to a lost node's rank (once: a second promotion of it is refused), waits for it to take the node
+    (a higher incarnation naming the spare), and a relaunched launcher of that node rank then finds its rank
+    held by the spare (so it joins as a spare in turn); a spare whose job ends meanwhile goes with the verdict."""
+    import threading
+
+    from ckptrun.cli.supervision import spares
+    from ckptrun.cli.supervision.spares import SpareBench, held_by_spare, wait_for_promotion
+
+    leader = JobStore.host("run-s", "127.0.0.1", 0)
+    waiting = JobStore.connect("run-s", "127.0.0.1", leader.port, timeout_s=5)
+    leader.join(0)
+    leader.join(1)
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(zip(("spare", "node", "verdict"),
+                                                             wait_for_promotion(waiting, tmp_path, lambda _: None))))
+    thread.start()
+    bench = SpareBench(leader, timeout_s=5.0)
+    deadline = time.monotonic() + 20
+    while not bench.live() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert bench.live() == [1] and [s["spare"] for s in spares.listed(tmp_path)] == [1]
+    assert held_by_spare(leader, 1) is None, "node 1 is its own launcher's"
+
+    def take() -> None:  # what the promoted spare's launcher does: join node 1's place, naming itself
+        deadline = time.monotonic() + 20
+        while got.get("node") is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        waiting.join(1, spare=got["spare"])
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    events: list = []
+    assert bench.promote(1, attempt=3, before=1, event=lambda name, **f: events.append((name, f)), say=lambda _: None) == 2
+    thread.join(20)
+    taker.join(20)
+    assert (got["spare"], got["node"], got["verdict"]) == (1, 1, None)
+    assert [(name, f["spare"], f["node"], f["attempt"]) for name, f in events] == [("spare_promoted", 1, 1, 4)]
+    assert held_by_spare(leader, 1) == 1, "a relaunched launcher of node 1 now finds it held by spare 1"
+    assert bench.live() == [], "a promoted spare is no longer waiting"
+    assert leader.promote_spare(1, 0, attempt=5)["node"] == 1, "a spare is promoted once"
+    assert not spares.listed(tmp_path), "the promoted spare's holder file is gone"
+    second: dict = {}
+    other = threading.Thread(target=lambda: second.update(zip(("spare", "node", "verdict"),
+                                                               wait_for_promotion(waiting, tmp_path, lambda _: None))))
+    other.start()
+    leader.set_verdict("done", 0, "the run completed")
+    other.join(20)
+    assert (second["spare"], second["node"], second["verdict"]["code"]) == (2, None, 0)

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -197,16 +198,18 @@ def test_fsdp2_on_two_nodes_restores_each_nodes_own_shards_from_its_memory_exact
     assert not events(pair.run_dir, "replica_rejected")
 
 
-def _lose_node_1(pair: Pair, tmp_path: Path, extra: list[str]) -> None:
+def _lose_node_1(pair: Pair, tmp_path: Path, extra: list[str], join_timeout: str = "120",
+                 before_kill: Callable[[], None] = lambda: None) -> None:
     """Rank 1 hangs after step 17 of attempt 1 (its heartbeat timeout is far off); once node 0 holds a verified
     replica of node 1's step 16, node 1's launcher is SIGKILLed and its memory dir deleted (the node and its RAM
-    are gone); a new node-1 launcher joins, as a scheduler would start one."""
+    are gone)."""
     fault = "hang:rank=1:step=17:attempt=1"
     for node in (0, 1):
         pair.start(node, *_memory_flags(pair, node, tmp_path, *extra, "--heartbeat-timeout", "60",
-                                        "--node-join-timeout", "120", "--inject-fault", fault), *FSDP_JOB)
+                                        "--node-join-timeout", join_timeout, "--inject-fault", fault), *FSDP_JOB)
     wait_for(lambda: any(e["node"] == 0 and e["from_node"] == 1 and e["step"] == 16
                          for e in events(pair.run_dir, "replica_received")), timeout=150, what="node 1's step 16 on node 0")
+    before_kill()
     os.kill(pair.procs[1].pid, signal.SIGKILL)
     pair.procs[1].wait()
     shutil.rmtree(tmp_path / "ram-node1")
@@ -232,6 +235,40 @@ def test_a_lost_node_restores_its_fsdp2_shards_from_a_replica_in_the_other_nodes
     assert fetched[0]["bytes_moved"] == [e for e in sources if e["node"] == 1][0]["bytes_moved"] > 0
     assert [(e["attempt"], e["step"], e["tier"]) for e in events(pair.run_dir, "restored")] == [(2, 16, "memory")]
     assert_losses_equal(pair.run_dir, fsdp_reference)
+
+
+@pytest.mark.timeout(420)
+def test_a_hot_spare_takes_the_lost_nodes_place_at_once_and_restores_its_shards_from_memory_exactly(
+        tmp_path: Path, cleanup: Cleanup, fsdp_reference: dict[int, float]) -> None:
+    """Issue 25 item 5: a third launcher joins the job with --spare (no rank; `ckptrun status` lists it). Node 1
+    is lost after step 17 with its memory; the leader promotes the spare to node rank 1 at once (spare_promoted;
+    no wait for node 1's launcher, whose join timeout is 300 s), the spare's ranks fetch node 1's shards of step
+    16 from node 0's replica (peer-memory, nothing durable read), and the losses equal the uninterrupted run's."""
+    pair = Pair(tmp_path, cleanup, "spare")
+    flags = ["--save-every-steps", "20"]
+    spare_flags = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{pair.port}", "--name", pair.name, *QUICK,
+                   "--memory-every-steps", "2", "--memory-dir", str(tmp_path / "ram-spare"), "--local-addr", "127.0.0.3",
+                   "--heartbeat-timeout", "60", *flags]
+    spare = pair.start(2, "--spare", *spare_flags, *FSDP_JOB)
+
+    def listed_as_spare() -> None:
+        wait_for(lambda: (pair.run_dir / "spares" / "spare-1.json").exists(), timeout=60, what="the spare's join")
+        status = json.loads(ckptrun("status", str(pair.run_dir), "--json", cwd=tmp_path).stdout)
+        assert [(s["spare"], s["alive"]) for s in status["spares"]] == [(1, True)], status["spares"]
+
+    _lose_node_1(pair, tmp_path, flags, join_timeout="300", before_kill=listed_as_spare)
+    assert (pair.wait(0), spare.wait(timeout=200)) == (0, 0), f"{pair.log(0)}\n{tail(spare.log_path)}"
+    promoted = events(pair.run_dir, "spare_promoted")
+    assert [(e["spare"], e["node"], e["attempt"]) for e in promoted] == [(1, 1, 2)], promoted
+    assert not events(pair.run_dir, "node_wait"), "the leader never waited for node 1's launcher"
+    restart = events(pair.run_dir, "restart")[0]
+    assert restart["node_join_s"] < 300 and restart["lost_nodes"] == [1], restart
+    sources = events(pair.run_dir, "restore_source")
+    assert sorted((e["node"], e["tier"], e["step"], e["durable_bytes_read"]) for e in sources) == \
+        [(0, "memory", 16, 0), (1, "peer-memory", 16, 0)], sources
+    assert Path([e for e in sources if e["node"] == 1][0]["snapshot"]).parent == tmp_path / "ram-spare"
+    assert_losses_equal(pair.run_dir, fsdp_reference)
+    assert "promoted to node rank 1" in spare.log_path.read_text()  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(480)

@@ -59,6 +59,7 @@ def launch(
     nnodes: Optional[str] = _opt("--nnodes", "Nodes (N or MIN:MAX): one launch per node, node rank 0 leads; also read from PET_* and SLURM_*. [default: 1]", TORCHRUN),
     node_rank: Optional[int] = _opt("--node-rank", "This node's rank (0 hosts the job's store).", TORCHRUN),
     standalone: bool = typer.Option(False, "--standalone", help="Fresh local rendezvous per attempt (the default).", rich_help_panel=TORCHRUN),
+    spare: bool = typer.Option(False, "--spare", help="Many nodes: join the job as a hot spare (no rank) that takes a lost node's place at once, with the job's other flags and no --node-rank.", rich_help_panel=TORCHRUN),
     master_addr: Optional[str] = _opt("--master-addr", "Rendezvous address with --master-port.", TORCHRUN),
     master_port: Optional[int] = _opt("--master-port", "Fixed rendezvous port (default: a fresh one per attempt).", TORCHRUN),
     rdzv_backend: Optional[str] = _opt("--rdzv-backend", "torchrun rendezvous backend.", TORCHRUN),
@@ -128,16 +129,23 @@ def launch(
       ckptrun launch --nproc-per-node 2 train.py --lr 3e-4
       ckptrun launch --nproc-per-node 2 --save-every-steps 5 -- --steps 40
     """
-    options = {key: value for key, value in locals().items() if key not in ("ctx", "config", "standalone", "as_json")}
+    options = {key: value for key, value in locals().items() if key not in ("ctx", "config", "standalone", "as_json", "spare")}
+    if spare and node_rank is not None:
+        raise CkptrunError("--spare takes no --node-rank: the leader gives a spare the rank of the node it replaces",
+                           "leave --node-rank out (pass the job's --nnodes, --rdzv-endpoint and --name)", EXIT_REFUSED)
     settings = node_settings(node_fields(options), os.environ)
+    if spare and not settings.multi_node:
+        raise CkptrunError("--spare needs a job of several nodes", "pass the job's --nnodes N (N > 1), "
+                           "--rdzv-endpoint and --name", EXIT_REFUSED)
     if settings.multi_node:  # one launcher per node: the leader's store coordinates them (imports torch)
-        from ckptrun.cli.supervision.many_nodes import start_nodes
+        from ckptrun.cli.supervision.many_nodes import start_nodes, start_spare
 
         options.update(nnodes=settings.nnodes, node_rank=settings.node_rank, rdzv_endpoint=settings.rdzv_endpoint,
                        rdzv_backend=settings.rdzv_backend, name=settings.job_id, coord_port=settings.store_port,
                        master_addr=None, master_port=None)
-        return start_nodes(launch_spec(ctx, config, standalone, options), settings, argv=redact_argv(sys.argv), as_json=as_json,
-                           estimator=rto_launch)
+        start = start_spare if spare else start_nodes
+        return start(launch_spec(ctx, config, standalone, options), settings, argv=redact_argv(sys.argv), as_json=as_json,
+                     estimator=rto_launch)
     return start_run(launch_spec(ctx, config, standalone, options), argv=redact_argv(sys.argv), as_json=as_json,
                      estimator=rto_launch)
 

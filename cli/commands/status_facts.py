@@ -12,6 +12,7 @@ Importable without torch.
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import time
 from collections import deque
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from ckptrun.cli.errors import CkptrunError
 from ckptrun.cli.store_location import local_dir, store_of
 from ckptrun.cli.recovery_budget.rto_history import restart_figure
@@ -115,6 +117,7 @@ def collect(run_dir: Path, rates: StepRates, budget: float | None = None, now: f
         "run_dir": str(run_dir), "run_id": run_id, "state": state, "time": now,
         "supervisor_pid": supervisor["pid"] if supervisor else None,
         "nodes": nodes,
+        "spares": spare_rows(run_dir),
         **current,
         "progress": progress(metrics, step_budget(spec, manifest), state),
         "ranks": ranks,
@@ -190,6 +193,18 @@ def node_rows(run_dir: Path) -> list[dict[str, Any]]:
     """A many-node run's launchers (none for one node): node rank, pid, host, alive (None: another host)."""
     return [{"node": node, "pid": info.get("pid"), "host": info.get("host"), "alive": info["alive"]}
             for node, info in sorted(node_holders(run_dir).items())]
+
+
+def spare_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """A many-node run's waiting spares (``launch --spare``): spare number, pid, host, alive (None: another host)."""
+    from ckptrun.cli.supervision.spares import listed
+
+    rows = []
+    for spare in listed(run_dir):
+        here = spare.get("host") == socket.gethostname()
+        rows.append({"spare": spare.get("spare"), "pid": spare.get("pid"), "host": spare.get("host"),
+                     "alive": psutil.pid_exists(int(spare.get("pid") or 0)) if here else None})
+    return rows
 
 
 def place_ranks(ranks: list[dict[str, Any]], nodes: list[dict[str, Any]], run_dir: Path, attempt: int | None) -> None:

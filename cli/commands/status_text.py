@@ -19,6 +19,9 @@ def render(doc: dict[str, Any]) -> str:
              f"RTO       {_rto_words(doc['rto'])}", ""]
     if doc.get("nodes"):
         lines[2:2] = [f"nodes     {_node_words(doc['nodes'])}"]
+    if doc.get("spares"):
+        lines[3:3] = ["spares    " + " · ".join(f"spare {s['spare']} pid {s['pid']} on {s['host']}: waiting"
+                                              for s in doc["spares"])]
     return "\n".join(lines + _rank_table(doc["ranks"]))
 
 

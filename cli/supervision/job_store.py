@@ -16,6 +16,8 @@ Keys live under ``ckptrun/<run>/`` and hold small JSON documents:
     stop                  a stop asked on any node (signal, ``ckptrun stop``, time limit)
     verdict               how the job ends, decided by the leader: done, stopped, gave up, requeue
     ckpt_token            the token the leader wrote into the checkpoint dir (same storage everywhere?)
+    spare/joins           how many spare launchers joined (``launch --spare``): spare s is the s-th
+    spare/<s>             spare s: pid, host; spare/<s>/beat its heartbeat; spare/<s>/promoted the node it takes
 
 The store has no TTL and no watch: everyone polls, and a node whose
 heartbeat stops changing is judged stale by the observer's own clock (no
@@ -132,6 +134,35 @@ class JobStore:
 
     def heartbeats(self, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
         return self.read_many((n, self.key("heartbeat", n)) for n in nodes)
+
+    # --- spares -------------------------------------------------------------------------
+
+    def join_spare(self, **facts: Any) -> int:
+        """A spare launcher arrives (it takes no rank until the leader promotes it); returns its number (1, 2…)."""
+        spare = int(self._call("add", self.key("spare", "joins"), 1))
+        self.put(self.key("spare", spare), {"spare": spare, "time": time.time(), "pid": os.getpid(), **facts})
+        return spare
+
+    def spares(self) -> dict[int, dict[str, Any]]:
+        """Every spare that joined, with its promotion (``promoted``: the node it took) if any."""
+        count = int(self._call("add", self.key("spare", "joins"), 0))
+        found = self.read_many((s, self.key("spare", s)) for s in range(1, count + 1))
+        for spare, promoted in self.read_many((s, self.key("spare", s, "promoted")) for s in found).items():
+            found[spare]["promoted"] = promoted
+        return found
+
+    def beat_spare(self, spare: int, **facts: Any) -> None:
+        self.put(self.key("spare", spare, "beat"), {"spare": spare, "time": time.time(), **facts})
+
+    def spare_beats(self, spares: Iterable[int]) -> dict[int, dict[str, Any]]:
+        return self.read_many((s, self.key("spare", s, "beat")) for s in spares)
+
+    def promote_spare(self, spare: int, node: int, attempt: int) -> dict[str, Any]:
+        """The leader gives spare ``spare`` node rank ``node`` from the attempt after ``attempt`` (first writer wins)."""
+        return self.first(self.key("spare", spare, "promoted"), {"node": node, "attempt": attempt, "time": time.time()})
+
+    def promotion(self, spare: int) -> dict[str, Any] | None:
+        return self.read(self.key("spare", spare, "promoted"))
 
     # --- attempts -----------------------------------------------------------------------
 

@@ -16,12 +16,15 @@ leader's restore copy would not exist on the other hosts. torch is imported
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from ckptrun.cli.errors import EXIT_REFUSED, EXIT_REQUEUE, CkptrunError
+from ckptrun.cli.supervision import spares
 from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
 from ckptrun.cli.supervision.node_env import NodeSettings
 from ckptrun.cli.supervision.node_world import NodePaths
@@ -50,7 +53,42 @@ def start_nodes(spec: LaunchSpec, settings: NodeSettings, argv: list[str], as_js
     if settings.leader:
         _refuse_used(paths, ckpt_dir_of(spec, run_dir))
         _refuse_used_store(spec)
+    elif (spare := _spare_holding(settings)) is not None:  # the scheduler relaunched a node a spare replaced
+        print(f"ckptrun: node rank {settings.node_rank} is held by spare {spare}, which replaced it: joining as a spare",
+              file=sys.stderr, flush=True)
+        return start_spare(spec, settings, argv, as_json, estimator)
     return _node_run(paths, settings, argv, as_json, estimator, spec=spec)
+
+
+def start_spare(spec: LaunchSpec, settings: NodeSettings, argv: list[str], as_json: bool, estimator: Estimator) -> int:
+    """``ckptrun launch --spare``: wait in the job's store until the leader gives this launcher a lost node's
+    rank, then run that node (:mod:`ckptrun.cli.supervision.spares`); or end with the job."""
+    run_dir = spec.run_dir or RUNS_ROOT / str(settings.job_id)
+    job, _ = _join(NodePaths(run_dir, node=settings.node_rank), settings, spec.ckpt_dir, spec.startup_timeout)
+
+    def say(line: str) -> None:
+        print(f"ckptrun: {line}", file=sys.stderr, flush=True)
+
+    spare, node, verdict = spares.wait_for_promotion(job, run_dir, say)
+    if node is None:
+        if verdict is None:
+            raise CkptrunError(f"spare {spare}: lost the job's leader (node 0) while waiting", "nothing ran here: "
+                               "start the spare again with the job", EXIT_REQUEUE)
+        say(f"spare {spare}: the job ended while this launcher waited ({verdict['message']})")
+        return int(verdict["code"])
+    say(f"spare {spare}: promoted to node rank {node}")
+    settings = dataclasses.replace(settings, node_rank=node, spare=spare)
+    return _node_run(NodePaths(run_dir, node=node), settings, argv, as_json, estimator, spec=spec, job=job)
+
+
+def _spare_holding(settings: NodeSettings) -> int | None:
+    """The spare that holds this launcher's node rank now (it replaced the node), or None (none did, or the
+    leader is not up yet: a first launch)."""
+    try:
+        job = JobStore.connect(str(settings.job_id), settings.host, settings.store_port, timeout_s=2.0)
+        return spares.held_by_spare(job, settings.node_rank)
+    except StoreUnreachable:
+        return None
 
 
 def resume_nodes(run_dir: Path, settings: NodeSettings, overrides: dict[str, Any], argv: list[str], as_json: bool,
@@ -62,7 +100,7 @@ def resume_nodes(run_dir: Path, settings: NodeSettings, overrides: dict[str, Any
 
 
 def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json: bool, estimator: Estimator,
-              spec: LaunchSpec | None, overrides: dict[str, Any] | None = None) -> int:
+              spec: LaunchSpec | None, overrides: dict[str, Any] | None = None, job: JobStore | None = None) -> int:
     paths.node_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(paths):
         if settings.leader:
@@ -76,7 +114,10 @@ def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json
                 raise
         else:
             own = spec if spec is not None else read_run_record(paths.root).spec  # a resume: run.json is there
-            job, record = _join(paths, settings, spec.ckpt_dir if spec is not None else None, own.startup_timeout)
+            if job is None:
+                job, record = _join(paths, settings, spec.ckpt_dir if spec is not None else None, own.startup_timeout)
+            else:  # a promoted spare: joined (and checked) already
+                record = read_run_record(paths.root)
             record = with_own_secrets(record, own)
             # --memory-dir names this node's own memory (the leader's run.json holds the leader's): a resume, which
             # takes no --memory-dir, uses the node's default one

@@ -94,7 +94,8 @@ class NodeJob:
             current = self.job.attempt()
         except StoreUnreachable as exc:
             raise LeaderLost(str(exc)) from None
-        self._call(self.job.join, self.world.node)
+        spare = self.world.settings.spare  # a promoted spare takes the node's place: the leader waits for this
+        self._call(self.job.join, self.world.node, **({"spare": spare} if spare is not None else {}))
         if self.leader:
             missing = self._wait_for_nodes(self.world.nodes, self.timeouts.startup)
             if missing:
@@ -115,7 +116,9 @@ class NodeJob:
         self._wait_for_acks(watch.attempt)
         waited, lost_nodes = time.monotonic(), self._lost_nodes(first)
         for lost in lost_nodes:
-            if not self._wait_for_rejoin(lost) and not self._shrink(watch, lost):
+            if self._take_spare(watch.attempt, lost):
+                continue
+            if not self._wait_for_rejoin(lost, watch.attempt) and not self._shrink(watch, lost):
                 reason = f"node {lost} was lost and no launcher of node rank {lost} joined within {self.join_timeout:g}s"
                 return GiveUp(EXIT_NO, reason, "relaunch `ckptrun resume --latest` on every node")
         self._grow(watch)
@@ -185,9 +188,21 @@ class NodeJob:
             lost.add(int(first["node"]))
         return sorted(lost)
 
-    def _wait_for_rejoin(self, node: int) -> bool:
-        """A new launcher of ``node`` joined (a higher incarnation), or its supervisor beats again (the same
-        incarnation: it was only quiet, e.g. a network blip)."""
+    def _take_spare(self, attempt: int, node: int) -> bool:
+        """A live spare takes lost node ``node``'s rank for the attempt after ``attempt`` (:mod:`spares`): no
+        join wait."""
+        if self.world.spares is None:
+            return False
+        taken = self.world.spares.promote(node, attempt, self.incarnations.get(node, 1), self.world.event,
+                                          self.world.say)
+        if taken is None:
+            return False
+        self.incarnations[node] = taken
+        return True
+
+    def _wait_for_rejoin(self, node: int, attempt: int | None = None) -> bool:
+        """A new launcher of ``node`` joined (a higher incarnation), its supervisor beats again (the same
+        incarnation: it was only quiet, e.g. a network blip), or a spare that came meanwhile took its place."""
         self.world.say(f"node {node} is lost: waiting up to {self.join_timeout:g}s for its launcher to join again")
         before = self.incarnations.get(node, 1)
         self.world.event("node_wait", node=node, join_timeout_s=self.join_timeout)
@@ -201,6 +216,9 @@ class NodeJob:
                 self.incarnations[node] = max(incarnation, before)
                 self.world.event("node_joined", node=node, waited_s=time.time() - started,
                                  relaunched=incarnation > before)
+                return True
+            if attempt is not None and self.world.spares is not None and self.world.spares.live() \
+                    and self._take_spare(attempt, node):
                 return True
             time.sleep(self.timeouts.poll)
         return False

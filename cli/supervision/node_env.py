@@ -38,6 +38,7 @@ class NodeSettings:
     job_id: str | None = None  # the run name every node agrees on (run id, rendezvous ids, store keys)
     coord_port: int | None = None  # the leader's TCPStore; default: the rendezvous port + 1
     sources: dict[str, str] = field(default_factory=dict)
+    spare: int | None = None  # a promoted spare (``launch --spare``) now running node_rank: its spare number
 
     @property
     def min_nodes(self) -> int:

@@ -27,6 +27,7 @@ from ckptrun.cli.supervision.node_env import NodeSettings
 from ckptrun.cli.supervision.node_verify import choose
 from ckptrun.cli.supervision.observation import Observation, Snapshot
 from ckptrun.cli.supervision.rundir import RunPaths
+from ckptrun.cli.supervision.spares import SpareBench
 from ckptrun.cli.supervision.world import LocalWorld
 from ckptrun.runtime import records
 from ckptrun.runtime.env import RunEnv
@@ -109,6 +110,7 @@ class NodeWorld(LocalWorld):
         self.placed = 0  # the attempt whose ranks were written to nodes/node-k/ranks.json
         self.resumed_from_memory = False  # the current attempt restores this node's memory copy
         self.memory_fetch: dict[int, dict[str, int]] = {}  # the next attempt's fetches from replicas: node -> holder, bytes
+        self.spares = SpareBench(job, node_timeout) if settings.leader else None  # launchers waiting to replace a node
 
     # --- launching ---
 
@@ -152,6 +154,7 @@ class NodeWorld(LocalWorld):
             self.remote_stop = self.remote_stop or self.job.stop_request()
             if self.settings.leader:
                 failure = failure or self._lost_node(now)
+                self.spares.observe()  # type: ignore[union-attr]  # every poll: a spare's beat that stops is stale
             self.unreachable_since = None
         except StoreUnreachable as exc:
             self.unreachable_since = self.unreachable_since or now
