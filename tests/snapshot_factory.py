@@ -42,10 +42,11 @@ def make_snapshot(
     return store.publish(temp, step)
 
 
-def make_chunked_snapshot(ckpt_dir: Path, step: int, parent: str | None = None, chunk: int = 512) -> Path:
-    """A snapshot whose DCP data file has chunk digests (schema 3): a pre-load check of it reads sizes only,
-    because the loader hashes every chunk it reads (``Manifest.verified_as_loaded``)."""
-    path = make_snapshot(ckpt_dir, step, {**default_files(step), "dcp/__0_0.distcp": bytes(range(256)) * 16}, parent=parent)
+def make_chunked_snapshot(ckpt_dir: Path, step: int, parent: str | None = None, chunk: int = 512,
+                          data: bytes = bytes(range(256)) * 16) -> Path:
+    """A snapshot whose DCP data file (``data``) has chunk digests (schema 3): a pre-load check of it reads sizes
+    only, because the loader hashes every chunk it reads (``Manifest.verified_as_loaded``)."""
+    path = make_snapshot(ckpt_dir, step, {**default_files(step), "dcp/__0_0.distcp": data}, parent=parent)
     manifest = read_manifest(path)
     entries = []
     for entry in manifest.files:

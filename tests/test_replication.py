@@ -12,34 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from snapshot_factory import make_snapshot
+from snapshot_factory import make_chunked_snapshot
 from test_many_nodes import free_port
 
 from ckptrun.cli.supervision.node_world import newest_in_memory
 from ckptrun.runtime.checkpoint.replication import PIECE, Ring
-from ckptrun.runtime.hashing import chunks_digest
-from ckptrun.runtime.manifest import MANIFEST_NAME, Chunk, read_manifest
+from ckptrun.runtime.manifest import MANIFEST_NAME, read_manifest
 
 PAIR = Path(__file__).parent / "fixtures" / "replication_pair.py"
 
 
 def _chunked(ckpt_dir: Path, step: int, size: int, chunk: int) -> Path:
     """A snapshot whose data file (several transport pieces long) has a digest per ``chunk`` bytes."""
-    import hashlib
-
-    data = os.urandom(size)
-    path = make_snapshot(ckpt_dir, step, {"state.json": b'{"step": %d}' % step, "dcp/__0_0.distcp": data})
-    manifest = read_manifest(path)
-    entries = []
-    for entry in manifest.files:
-        if entry.path.endswith(".distcp"):
-            chunks = [Chunk(offset=o, length=min(chunk, size - o), digest=hashlib.sha256(data[o:o + chunk]).hexdigest())
-                      for o in range(0, size, chunk)]
-            entry = entry.model_copy(update={"chunks": chunks, "digest": chunks_digest(
-                "sha256", ((c.offset, c.length, c.digest) for c in chunks))})
-        entries.append(entry)
-    (path / MANIFEST_NAME).write_text(manifest.model_copy(update={"files": entries}).model_dump_json())
-    return path
+    return make_chunked_snapshot(ckpt_dir, step, chunk=chunk, data=os.urandom(size))
 
 
 def _pair(snapshots: list[Path], into: Path, report: Path) -> tuple[list, list]:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable
 
+LEADER_LOST_S = 3.0  # a client that cannot reach the leader's store this long tears down and exits (requeue)
 DEFAULT_TIMEOUT_S = 10.0  # a client's connect and blocking-call limit: how long a lost leader can keep it waiting
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptrun.cli.supervision.job import JobLost
-from ckptrun.cli.supervision.job_store import JobStore, NodeWatch, StoreUnreachable
+from ckptrun.cli.supervision.job_store import LEADER_LOST_S, JobStore, NodeWatch, StoreUnreachable
 from ckptrun.cli.supervision.node_env import NodeSettings
 from ckptrun.cli.supervision.node_verify import choose
 from ckptrun.cli.supervision.observation import Observation, Snapshot
@@ -32,7 +32,6 @@ from ckptrun.cli.supervision.world import LocalWorld
 from ckptrun.runtime import records
 from ckptrun.runtime.env import RunEnv
 
-LEADER_LOST_S = 3.0  # a client that cannot reach the leader's store this long tears down and exits (requeue)
 RANKS_NAME = "ranks.json"  # in nodes/node-k: the global ranks this node runs in its current attempt
 RUN_EVENTS = ("attempt_start", "restart", "run_completed", "run_stopped", "gave_up")  # the leader's alone
 

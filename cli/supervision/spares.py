@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ckptrun.cli.supervision.job_store import JobStore, NodeWatch, StoreUnreachable
+from ckptrun.cli.supervision.job_store import LEADER_LOST_S, JobStore, NodeWatch, StoreUnreachable
 
 SPARES_DIR = "spares"  # in the run dir: one holder file per waiting spare
 SPARE_JOIN_S = 60.0  # how long the leader waits for a promoted spare to take its node, before waiting for a rejoin
 POLL_S = 0.5
-LEADER_LOST_S = 3.0
 
 
 def holder_file(run_dir: Path, spare: int) -> Path:
