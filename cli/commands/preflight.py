@@ -90,8 +90,9 @@ def preflight(ctx: typer.Context, **options: Any) -> int:
 
 
 def _with_launch_options(fn: Any) -> Any:
-    """Give ``fn`` launch's parameters followed by preflight's own: one declaration of every launch option."""
-    launch_params = [p for p in inspect.signature(launch, eval_str=True).parameters.values() if p.name != "as_json"]
+    """Give ``fn`` launch's parameters followed by preflight's own: one declaration of every launch option
+    (``--spare`` aside: a preflight runs its own one-node trial, never as a job's spare)."""
+    launch_params = [p for p in inspect.signature(launch, eval_str=True).parameters.values() if p.name not in ("as_json", "spare")]
     own = list(inspect.signature(_own_options, eval_str=True).parameters.values())
     fn.__signature__ = inspect.Signature([*launch_params, *own], return_annotation=int)
     fn.__annotations__ = {p.name: p.annotation for p in [*launch_params, *own]} | {"return": int}
