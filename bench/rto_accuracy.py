@@ -1,25 +1,30 @@
-"""How close is `ckptrun estimate-rto` to the recovery time a real crash then takes?
+"""How close is `ckptrun estimate-rto` to the recovery time a real fault then takes, per fault kind?
 
-Per repeat, interleaved: run A is the default template under `ckptrun launch`
-with no fault; `estimate-rto` predicts its RTO (without history: teardown and
-start-up from a no-op relaunch on the path a restart takes — a warm standby agent
-forking its ranks, by default — restore from read bandwidth and, for chunk-digest
-snapshots, the hash rate of the ranks verifying as they read; verify as the
-supervisor's own check, manifest and sizes for those; and again with
---probe, which re-runs the script to restore the newest snapshot). Run B is the
-same job with a rank SIGKILLed mid-run; its `restart` event holds the measured
+Per scenario and repeat, interleaved: run A is the default template under
+`ckptrun launch` with the scenario's flags and no fault; `estimate-rto`
+predicts its RTO before any failure (no history: teardown and start-up from a
+no-op relaunch on the path a restart takes — a warm standby agent forking its
+ranks, by default — restore from read bandwidth and the hash rate of the
+ranks verifying as they read, verify as the supervisor's own check). Run B is
+the same job with the scenario's fault; its `restart` event holds the measured
 RTO (failure detected → first step after the restore, backoff included). The
-ratio predicted/measured is reported with its median, min and max, and the
-per-component figures show which part of the prediction is off.
+ratio predicted ÷ measured is reported with its median, min and max, and each
+component predicted vs measured shows which part of the model is off.
 
-    python bench/rto_accuracy.py [--repeats 5] [--nproc 2] [--json] [--cold-too]
+Scenarios (``--scenarios``, comma-separated):
 
---cold-too estimates each clean run a second time as if it restarted cold
-(the model before warm restarts were followed), for a same-run comparison.
+  kill       a rank SIGKILLed after step 17: detection is one supervisor poll, teardown the
+             crash's SIGKILL, restore from the newest durable snapshot
+  hang       a rank silent after step 17 with --heartbeat-timeout 5s: detection is the heartbeat
+             timeout + the stack-dump wait (the estimate's ``rto_hang_s``)
+  memory     the kill, with --memory-every-steps 2: the restore is from the memory tier
 
-Snapshots are a few MiB and just written, so every read is page-cached; the
-figures say so. Nothing here is asserted: the goal (issue 5) is a ratio
-within 0.75..1.25.
+    python bench/rto_accuracy.py [--scenarios kill,hang,memory] [--repeats 3] [--nproc 2] [--json]
+
+--json prints ``{"scenarios": {"kill": {"ratio": {"median", "min", "max", "samples"}, "components":
+{part: {"predicted", "measured"}}, "repeats": [...]}, …}, "load": […]}``. Snapshots are a few MiB and
+just written, so every read is page-cached. Nothing here is asserted: the goal (issue 26) is every
+scenario's median ratio within 0.75..1.25.
 """
 
 from __future__ import annotations
@@ -27,16 +32,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 PARTS = ("detect", "teardown", "verify", "backoff", "restart")
 MEASURED_KEYS = {"detect": "detect_s", "teardown": "teardown_s", "verify": "verify_s", "backoff": "backoff_s",
                  "restart": "relaunch_to_first_step_s"}
+GOAL = (0.75, 1.25)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    flags: tuple[str, ...]
+    fault: str  # {rank}: the last rank
+    total_key: str = "rto_s"  # the estimate's total this fault kind takes
+
+
+SCENARIOS = {
+    "kill": Scenario("kill", (), "kill:rank={rank}:step=17"),
+    "hang": Scenario("hang", ("--heartbeat-timeout", "5s"), "hang:rank={rank}:step=17", total_key="rto_hang_s"),
+    "memory": Scenario("memory", ("--memory-every-steps", "2"), "kill:rank={rank}:step=17"),
+}
 
 
 def ckptrun(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -46,95 +67,110 @@ def ckptrun(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-def launch(run_dir: Path, nproc: int, steps: int, fault: str | None) -> None:
+def launch(run_dir: Path, scenario: Scenario, nproc: int, steps: int, fault: str | None, budget: bool = False) -> None:
+    """``budget``: with --rto-budget, so the launch makes its own estimate while it trains (the same model)."""
     flags = ["launch", "--nproc-per-node", str(nproc), "--save-every-steps", "5", "--threads", "1",
-             "--run-dir", str(run_dir), "--name", run_dir.name]
-    flags += ["--inject-fault", fault] if fault else []
+             "--run-dir", str(run_dir), "--name", run_dir.name, *scenario.flags]
+    flags += ["--inject-fault", fault.format(rank=nproc - 1)] if fault else []
+    flags += ["--rto-budget", "1h"] if budget else []
     ckptrun(*flags, "--", "--steps", str(steps))
 
 
-def predict(run_dir: Path, probe: bool) -> dict:
-    return json.loads(ckptrun("estimate-rto", str(run_dir), "--json", *(["--probe"] if probe else [])).stdout)
+def events(run_dir: Path, name: str) -> list[dict]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, filter(str.strip, lines)) if e.get("event") == name]
 
 
 def measured_restart(run_dir: Path) -> dict:
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-    restarts = [e for e in events if e.get("event") == "restart"]
+    restarts = events(run_dir, "restart")
     if not restarts or restarts[-1].get("rto_s") is None:
         raise SystemExit(f"{run_dir}: no restart event with a measured RTO")
     return restarts[-1]
 
 
-def as_cold(run_dir: Path, copy: Path) -> Path:
-    """A copy of the run whose run.json says it restarts cold (no standby, spawned ranks): the model
-    estimate-rto used for every run before it followed the warm path, measured on the same run."""
-    shutil.copytree(run_dir, copy, symlinks=True)
-    record = json.loads((copy / "run.json").read_text())
-    record["spec"].update(standby=False, warm_workers=False)
-    (copy / "run.json").write_text(json.dumps(record))
-    return copy
+def predicted_parts(estimate: dict, scenario: Scenario) -> dict[str, float]:
+    parts = {part: float(estimate["components"][part]["value_s"] or 0.0) for part in PARTS}
+    if scenario.name == "hang":  # the supervisor counts the stack dump in the hang's teardown
+        detect = estimate["components"]["detect"]
+        parts["detect"], parts["teardown"] = detect["hang_detect_s"], parts["teardown"] + detect["stack_dump_s"]
+    return parts
 
 
-def one_repeat(root: Path, index: int, nproc: int, steps: int, crash_step: int, cold_too: bool) -> dict:
-    # A: a clean run, then the predictions made on it (no failure has happened: no history)
-    clean = root / f"clean-{index}"
-    launch(clean, nproc, steps, fault=None)
-    estimated, probed = predict(clean, probe=False), predict(clean, probe=True)
-    cold = predict(as_cold(clean, root / f"cold-{index}"), probe=False) if cold_too else None
-    # B: the same job, a rank killed after step crash_step; the supervisor measures the recovery
-    crashed = root / f"crash-{index}"
-    launch(crashed, nproc, steps, fault=f"kill:rank={nproc - 1}:step={crash_step}")
+def one_repeat(root: Path, scenario: Scenario, index: int, nproc: int, steps: int) -> dict:
+    clean = root / f"{scenario.name}-clean-{index}"  # A: a clean run, then the estimate made on it (no history)
+    launch(clean, scenario, nproc, steps, fault=None)
+    estimate = json.loads(ckptrun("estimate-rto", str(clean), "--json").stdout)
+    crashed = root / f"{scenario.name}-fault-{index}"  # B: the same job with the fault; the supervisor measures it
+    launch(crashed, scenario, nproc, steps, fault=scenario.fault, budget=True)
     restart = measured_restart(crashed)
-    return {"measured": restart, "estimated": estimated, "probed": probed, **({"cold_model": cold} if cold else {})}
+    in_launch = [e for e in events(crashed, "rto_estimate") if e.get("attempt") == 1 and e.get("rto_s") is not None]
+    sources = [e.get("tier") or e.get("source") for e in events(crashed, "restore_source")]
+    predicted = estimate["totals"][scenario.total_key]
+    return {"predicted_s": predicted, "measured_s": restart["rto_s"], "ratio": predicted / restart["rto_s"],
+            "predicted": predicted_parts(estimate, scenario),
+            "measured": {part: float(restart.get(key) or 0.0) for part, key in MEASURED_KEYS.items()},
+            "restore_sources": sources, "cause": restart.get("cause"),
+            "in_launch_ratio": in_launch[-1]["rto_s"] / restart["rto_s"] if in_launch and scenario.name != "hang" else None}
 
 
-def spread(values: list[float]) -> str:
-    return f"median {statistics.median(values):.2f}  min {min(values):.2f}  max {max(values):.2f}"
+def summary(repeats: list[dict]) -> dict:
+    ratios = [r["ratio"] for r in repeats]
+    median = statistics.median(ratios)
+    in_launch = [r["in_launch_ratio"] for r in repeats if r["in_launch_ratio"] is not None]
+    return {"ratio": {"median": median, "min": min(ratios), "max": max(ratios), "samples": ratios},
+            "in_launch_ratio": {"median": statistics.median(in_launch), "min": min(in_launch), "max": max(in_launch)}
+            if in_launch else None,
+            "within_goal": GOAL[0] <= median <= GOAL[1],
+            "components": {part: {"predicted": statistics.median(r["predicted"][part] for r in repeats),
+                                  "measured": statistics.median(r["measured"][part] for r in repeats)}
+                           for part in PARTS},
+            "repeats": repeats}
 
 
-def report(results: list[dict], nproc: int, load: tuple[float, ...]) -> None:
-    print(f"world size {nproc}; snapshots just written (page-cached); {len(results)} repeats, A/B interleaved; "
-          f"load average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs\n")
-    print(f"{'repeat':>6}  {'measured':>9}  {'estimated':>9}  {'ratio':>5}  {'probed':>7}  {'ratio':>5}")
-    for index, r in enumerate(results):
-        m, e, p = r["measured"]["rto_s"], r["estimated"]["totals"]["rto_s"], r["probed"]["totals"]["rto_s"]
-        print(f"{index:>6}  {m:>8.2f}s  {e:>8.2f}s  {e / m:>5.2f}  {p:>6.2f}s  {p / m:>5.2f}")
-    modes = ("estimated", "probed", *(("cold_model",) if "cold_model" in results[0] else ()))
-    for mode in modes:
-        ratios = [r[mode]["totals"]["rto_s"] / r["measured"]["rto_s"] for r in results]
-        print(f"\npredicted/measured RTO, {mode:<9}: {spread(ratios)}")
-    print("\nper component, median seconds (measured | estimated | probed):")
-    for part in PARTS:
-        measured = statistics.median(float(r["measured"].get(MEASURED_KEYS[part]) or 0.0) for r in results)
-        figures = [statistics.median(r[mode]["components"][part]["value_s"] for r in results) for mode in ("estimated", "probed")]
-        print(f"  {part:<9} {measured:>7.3f} | {figures[0]:>7.3f} | {figures[1]:>7.3f}")
-    rules = {(r["estimated"]["components"]["verify"].get("rule"), r["estimated"]["components"]["restart"].get("restore_rule"))
-             for r in results}
-    print(f"\nrules applied (verify, restore): {', '.join(f'{v}, {w}' for v, w in sorted(rules, key=str))}")
-    paths = {r["estimated"]["components"]["restart"].get("relaunch_path") for r in results}
-    print(f"relaunch path modelled: {', '.join(sorted(map(str, paths)))}")
+def report(document: dict) -> None:
+    load = document["load"]
+    print(f"world size {document['nproc']}; snapshots just written (page-cached); {document['repeats']} repeats per "
+          f"scenario; load average {load[0]:.1f} before, {load[1]:.1f} after on {os.cpu_count()} CPUs\n")
+    print(f"{'scenario':<9} {'measured':>9} {'predicted':>9}  {'ratio median (min..max)':<24} goal 0.75..1.25")
+    for name, s in document["scenarios"].items():
+        m = statistics.median(r["measured_s"] for r in s["repeats"])
+        p = statistics.median(r["predicted_s"] for r in s["repeats"])
+        r = s["ratio"]
+        launched = s["in_launch_ratio"]
+        print(f"{name:<9} {m:>8.2f}s {p:>8.2f}s  {r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f}){'':<8} "
+              f"{'PASS' if s['within_goal'] else 'MISS'}"
+              + (f"   launch --rto-budget's own estimate: ratio {launched['median']:.2f}" if launched else ""))
+    print("\nper component, median seconds (predicted | measured):")
+    for name, s in document["scenarios"].items():
+        cells = "  ".join(f"{part} {c['predicted']:.2f}|{c['measured']:.2f}" for part, c in s["components"].items())
+        print(f"  {name:<8} {cells}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--scenarios", default="kill,hang,memory", help=f"comma-separated: {', '.join(SCENARIOS)}")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--crash-step", type=int, default=17)
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON document")
-    parser.add_argument("--cold-too", action="store_true",
-                        help="also estimate each clean run as if it restarted cold (no standby, spawned ranks)")
     args = parser.parse_args()
-    load = os.getloadavg()
+    chosen = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario {unknown[0]!r}: pick from {', '.join(SCENARIOS)}")
+    load = os.getloadavg()[0]
+    results: dict[str, list[dict]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory(prefix="ckptrun-rto-bench-") as scratch:
-        results = []
-        for index in range(args.repeats):
-            print(f"repeat {index + 1}/{args.repeats}", file=sys.stderr, flush=True)
-            results.append(one_repeat(Path(scratch), index, args.nproc, args.steps, args.crash_step, args.cold_too))
+        for index in range(args.repeats):  # scenarios interleaved within each repeat
+            for name in chosen:
+                print(f"repeat {index + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
+                results[name].append(one_repeat(Path(scratch), SCENARIOS[name], index, args.nproc, args.steps))
+    document = {"nproc": args.nproc, "repeats": args.repeats, "load": [load, os.getloadavg()[0]],
+                "scenarios": {name: summary(repeats) for name, repeats in results.items()}}
     if args.json:
-        print(json.dumps(results, indent=1))
+        print(json.dumps(document, indent=1))
     else:
-        report(results, args.nproc, load)
+        report(document)
 
 
 if __name__ == "__main__":

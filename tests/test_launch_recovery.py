@@ -43,11 +43,12 @@ def test_auto_cadence_follows_daly_and_a_crash_resumes_exactly_over_budget(tmp_p
     teardown = first["components"]["teardown"]
     assert (teardown["source"], teardown["value_s"]) == ("configured", 1.0) and "SIGKILL" in teardown["detail"]
     assert first["rto_s"] < 60, first
-    # the restart goes through the warm standby (forked ranks): the estimate is the first launch less its interpreter
-    # start and `import torch`, which a forked rank skips, measured from attempt 1's own `started` event
-    started = one(run_dir, "started")
-    assert started["attempt"] == 1 and started["startup"]["torch_imported"] > started["startup"]["process"], started
-    assert "forked from the waiting standby agent" in first["components"]["restart"]["detail"], first
+    # the restart goes through the warm standby (forked ranks): estimate-rto's model, the standby's hand-over (not the
+    # first launch's interpreter start and imports, which a forked rank skips) + the script's set-up and first step
+    # as attempt 1 measured them + the restore
+    restart_part = first["components"]["restart"]
+    assert "warm standby's hand-over to its forked ranks" in restart_part["detail"], first
+    assert "set-up and first step" in restart_part["detail"] and restart_part["value_s"] >= 0.5, first
     assert result.stderr.count("warning: RTO estimate") == 1 and "exceeds --rto-budget 500 ms" in result.stderr
     assert restart["rto_measured_s"] == restart["rto_s"] > 0
     assert (restart["rto_estimated_s"], restart["rto_budget_s"]) == (first["rto_s"], 0.5)

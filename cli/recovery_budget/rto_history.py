@@ -194,13 +194,3 @@ def launch_to_first_step(events: list[dict[str, Any]], metrics: list[dict[str, A
               if attempt in started and attempt not in restored and _number(records[0].get("time")) is not None]
     return median(v for v in values if v >= 0), len(values)
 
-
-def warm_launch_to_first_step(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> tuple[float | None, int]:
-    """From ``import torch`` done (rank 0's ``started`` event) to the end of the first step, in attempts that
-    restored nothing: what a restart through the warm standby repeats (its agent is up and its ranks are
-    forked past ``import torch``: the script's own imports, the process group, its set-up, one step)."""
-    imported = {int(e["attempt"]): (e.get("startup") or {}).get("torch_imported") for e in events
-                if e.get("event") == "started" and "attempt" in e}
-    values = [float(records[0]["time"]) - float(imported[attempt]) for attempt, records in by_attempt(metrics).items()
-              if _number(imported.get(attempt)) is not None and _number(records[0].get("time")) is not None]
-    return median(v for v in values if v >= 0), len(values)

@@ -6,9 +6,11 @@ computes (:mod:`ckptrun.cli.recovery_budget.rto_components`), from this run's hi
 measured now: detect and teardown from past restarts, else the poll interval
 and a crash's teardown (SIGKILL one second after SIGTERM, not the grace period a stop may take); verify timed on the newest snapshot now (the
 supervisor's own check: whole-file digests, or manifest and sizes for chunk digests); the
-back-off the next restart will wait; restart from past restarts, else this
-run's own launch to first step (an attempt that restored nothing measured
-start-up, imports, process group, the script's set-up and one step) plus the
+back-off the next restart will wait; restart from past restarts, else the
+path a restart takes: through the warm standby (the default) its hand-over to
+forked ranks (modelled), the script's set-up and first step as this run's first
+attempt measured them, and the restore; a cold path this run's own launch to
+first step (start-up, imports, process group, set-up, one step); the
 restore measured now (:func:`rto_components.restore_estimate`: read bandwidth,
 and for chunk digests the hash rate as the ranks verify while loading). The supervisor
 runs :func:`estimate` on a thread of its own, off its polling path.
@@ -30,6 +32,10 @@ from ckptrun.cli.recovery_budget.rto_model import (CONFIGURED, ESTIMATED, RTO_PA
 from ckptrun.runtime import records
 
 
+# What estimate-rto's no-op relaunch measures on the default path (a warm standby handed the attempt, its ranks
+# forked and in the process group): ~0.45 s here, under load too (bench/rto_accuracy.py). Launch does not
+# measure it: a no-op launch would compete with the training it watches.
+WARM_HANDOVER_S = 0.5
 VANISHED_RETRIES = 3  # the run goes on while its snapshot is measured: retention may delete it under us
 
 
@@ -76,12 +82,12 @@ def restart(target: parts.Target) -> Component:
     launch, count = hist.launch_to_first_step(target.events, target.metrics)
     restore, how, _ = parts.restore_estimate(target, target.manifest.world_size)
     path, _ = parts.relaunch_path(target)
-    warm, warm_count = hist.warm_launch_to_first_step(target.events, target.metrics)
-    if path.standby and path.warm and warm is not None and launch is not None and warm <= launch:
-        return Component("restart", warm + restore, ESTIMATED,
-                         f"this run's first launch to first step {fmt(launch)} less its interpreter start and "
-                         f"`import torch` = {fmt(warm)} (history, {warm_count} attempt(s): a restart's ranks are forked "
-                         f"from the waiting standby agent past them) + {how}", {"relaunch_path": path.name, "cold_s": launch})
+    if path.standby and path.warm:  # estimate-rto's model, with the no-op relaunch it measures taken as modelled
+        step, step_words = parts.setup_and_first_step(target)
+        return Component("restart", WARM_HANDOVER_S + restore + step, ESTIMATED,
+                         f"a warm standby's hand-over to its forked ranks in the process group {fmt(WARM_HANDOVER_S)} "
+                         f"(modelled; `ckptrun estimate-rto` measures it) + {how} + {step_words}",
+                         {"relaunch_path": path.name, "cold_s": launch})
     if launch is None:
         return Component("restart", restore, ESTIMATED, how + "; start-up not included (no attempt reached a step yet)")
     return Component("restart", launch + restore, ESTIMATED,
