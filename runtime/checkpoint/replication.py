@@ -4,10 +4,12 @@ A node's memory snapshot (:mod:`memory_tier`) dies with the node. So that a lost
 each node's first rank (its *lead*) sends every memory snapshot it published to the leads of the next R
 nodes of a ring (node k to k+1 … k+R, modulo the nodes), in the background, over a gloo group of the leads:
 the manifest first, then each listed file in pieces of :data:`PIECE` bytes, at most :data:`WINDOW` in flight,
-read from the published files (no copy) and received straight into the replica's files (``mmap``). The
-receiver hashes every piece as it arrives, at the manifest's chunk boundaries (the digests of the sender's
-manifest: a replica is the sender's snapshot, byte for byte), and publishes the replica atomically as
-``<memory dir>/replicas/node<k>/step-N`` only when every chunk matched; it is counted (by the supervisor,
+read from the published files (no copy) and received into two piece-sized buffers: each piece is hashed
+and written to the replica's file while the next arrives in the other (plain writes: filling a fresh ``mmap``
+of a tmpfs file faulted its pages in one by one, more CPU than a socket copy's whole receive, and a full tmpfs
+was a SIGBUS). The receiver hashes every piece as it arrives, at the manifest's chunk boundaries (the digests
+of the sender's manifest: a replica is the sender's snapshot, byte for byte), and publishes the replica
+atomically as ``<memory dir>/replicas/node<k>/step-N`` only when every chunk matched; it is counted (by the supervisor,
 :mod:`ckptrun.cli.supervision.memory_tier`) only then. A replica that does not match is deleted on receipt,
 named in a ``replica_rejected`` event, and the sender told (an ack per snapshot).
 
@@ -157,24 +159,22 @@ def receive_snapshot(parent: Path, src: int, group: Any, tag: int) -> Received |
 
 
 def _receive_file(target: Path, entry: Any, src: int, group: Any, tag: int) -> str | None:
-    """Receive one file into ``target`` piece by piece, hashing each piece while the next arrives; what is
-    wrong with it (the first chunk that does not match its digest), or None."""
-    with open(target, "wb+") as stream:
-        if not entry.size:
-            return None if hashing.entry_hasher(entry).hexdigest() == entry.digest else f"{entry.path}: digest"
-        stream.truncate(entry.size)
-        with mmap.mmap(stream.fileno(), entry.size) as mapped:
-            data = torch.frombuffer(mapped, dtype=torch.uint8)
-            hasher = hashing.entry_hasher(entry)
-            pieces = [(offset, min(PIECE, entry.size - offset)) for offset in range(0, entry.size, PIECE)]
-            work = dist.irecv(data[:pieces[0][1]], src=src, group=group, tag=tag)
-            for index, (offset, size) in enumerate(pieces):
-                work.wait()
-                if index + 1 < len(pieces):
-                    following = pieces[index + 1]
-                    work = dist.irecv(data[following[0]:following[0] + following[1]], src=src, group=group, tag=tag)
-                hasher.update(memoryview(mapped)[offset:offset + size])  # the GIL is released while hashing
-            del data, work
+    """Receive one file into ``target`` piece by piece, each piece hashed and written from its buffer while the
+    next arrives in the other; what is wrong with it (the first chunk that does not match its digest), or None."""
+    hasher = hashing.entry_hasher(entry)
+    pieces = [(offset, min(PIECE, entry.size - offset)) for offset in range(0, entry.size, PIECE)]
+    buffers = [torch.empty(min(PIECE, entry.size), dtype=torch.uint8) for _ in pieces[:2]]
+    with open(target, "wb", buffering=0) as stream:
+        work = dist.irecv(buffers[0][:pieces[0][1]], src=src, group=group, tag=tag) if pieces else None
+        for index, (_, size) in enumerate(pieces):
+            work.wait()
+            if index + 1 < len(pieces):  # into the other buffer: this one's piece was hashed and written before
+                following = buffers[(index + 1) % 2][:pieces[index + 1][1]]
+                work = dist.irecv(following, src=src, group=group, tag=tag)
+            view = memoryview(buffers[index % 2].numpy())[:size]
+            hasher.update(view)  # the GIL is released while hashing and while writing
+            while len(view):
+                view = view[stream.write(view):]
     if hasher.hexdigest() == entry.digest:
         return None
     bad = hasher.bad_chunks() if hasattr(hasher, "bad_chunks") else []
