@@ -18,6 +18,11 @@ Scenarios (``--scenarios``, comma-separated):
   hang       a rank silent after step 17 with --heartbeat-timeout 5s: detection is the heartbeat
              timeout + the stack-dump wait (the estimate's ``rto_hang_s``)
   memory     the kill, with --memory-every-steps 2: the restore is from the memory tier
+  node-loss  two nodes and a hot spare on 127.0.0.1 (one rank each): node 1's rank hangs after step 17
+             and its launcher is SIGKILLed; the leader judges the node lost after the node timeout
+             (30 s here: the heartbeat timeout 60 s, capped) and promotes the spare, whose first attempt starts
+             a fresh agent (``rto_node_loss_s``;
+             the predicted detect is the node timeout + the spare's promotion)
 
     python bench/rto_accuracy.py [--scenarios kill,hang,memory] [--repeats 3] [--nproc 2] [--json]
 
@@ -30,12 +35,16 @@ scenario's median ratio within 0.75..1.25.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +122,76 @@ def one_repeat(root: Path, scenario: Scenario, index: int, nproc: int, steps: in
             "in_launch_ratio": in_launch[-1]["rto_s"] / restart["rto_s"] if in_launch and scenario.name != "hang" else None}
 
 
+def free_port() -> int:
+    """A free port whose next one is free too (the job's store takes rendezvous port + 1)."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with contextlib.suppress(OSError), socket.socket() as one, socket.socket() as two:
+            one.bind(("127.0.0.1", port))
+            two.bind(("127.0.0.1", port + 1))
+            return port
+
+
+def start_nodes(run_dir: Path, steps: int, fault: str | None) -> dict[str, subprocess.Popen]:
+    """Node 0, node 1 and a hot spare of one job on 127.0.0.1, one rank each, each its own address."""
+    port = free_port()
+    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(run_dir), "--name", run_dir.name,
+              "--nproc-per-node", "1", "--threads", "1", "--save-every-steps", "5", "--heartbeat-timeout", "60s",
+              *(["--inject-fault", fault] if fault else [])]
+    job = ["--", "--num-workers", "0", "--steps", str(steps)]
+    places = {"node0": ["--node-rank", "0"], "node1": ["--node-rank", "1"], "spare": ["--spare"]}
+    procs = {}
+    for index, (name, place) in enumerate(places.items()):
+        log = open(run_dir.parent / f"{run_dir.name}-{name}.log", "wb")
+        procs[name] = subprocess.Popen([sys.executable, "-m", "ckptrun.cli.main", "launch", *place, *common,
+                                        "--local-addr", f"127.0.0.{index + 1}", *job], stdout=log, stderr=subprocess.STDOUT)
+    return procs
+
+
+def wait_all(procs: dict[str, subprocess.Popen], names: tuple[str, ...], timeout_s: float = 300) -> None:
+    try:
+        for name in names:
+            procs[name].wait(timeout=timeout_s)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def reached(run_dir: Path, step: int) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return any(json.loads(line).get("step", 0) >= step for line in lines if line.strip().startswith("{"))
+
+
+def node_loss_repeat(root: Path, index: int, steps: int) -> dict:
+    """Node 1 lost after step 17 (its rank hung, then its launcher SIGKILLed: a node gone without a word);
+    the spare takes its place at once. The estimate is made on a clean run of the same three launchers."""
+    clean = root / f"node-loss-clean-{index}"
+    clean.mkdir(parents=True)
+    wait_all(start_nodes(clean, steps, None), ("node0", "node1", "spare"))
+    estimate = json.loads(ckptrun("estimate-rto", str(clean), "--json").stdout)
+    lost = root / f"node-loss-fault-{index}"
+    lost.mkdir(parents=True)
+    procs = start_nodes(lost, steps, "hang:rank=1:step=17:attempt=1")
+    deadline = time.monotonic() + 300
+    while not reached(lost, 17) and time.monotonic() < deadline and procs["node0"].poll() is None:
+        time.sleep(0.05)
+    procs["node1"].kill()
+    wait_all(procs, ("node0", "spare"))
+    restart = measured_restart(lost)
+    node = estimate["node_loss"]
+    predicted = {part: float(estimate["components"][part]["value_s"] or 0.0) for part in PARTS}
+    predicted["detect"] = node["detect_s"] + node["join"]["value_s"]
+    predicted["restart"] = node["restart"]["value_s"] if node["restart"] else predicted["restart"]
+    total = estimate["totals"]["rto_node_loss_s"]
+    return {"predicted_s": total, "measured_s": restart["rto_s"], "ratio": total / restart["rto_s"],
+            "predicted": predicted, "measured": {part: float(restart.get(key) or 0.0) for part, key in MEASURED_KEYS.items()},
+            "restore_sources": [e.get("tier") for e in events(lost, "restore_source")], "cause": restart.get("cause"),
+            "promoted": events(lost, "spare_promoted"), "restart_event": restart, "in_launch_ratio": None}
+
+
 def summary(repeats: list[dict]) -> dict:
     ratios = [r["ratio"] for r in repeats]
     median = statistics.median(ratios)
@@ -148,14 +227,14 @@ def report(document: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", default="kill,hang,memory", help=f"comma-separated: {', '.join(SCENARIOS)}")
+    parser.add_argument("--scenarios", default="kill,hang,memory", help=f"comma-separated: {', '.join(SCENARIOS)}, node-loss")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON document")
     args = parser.parse_args()
     chosen = [name.strip() for name in args.scenarios.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in SCENARIOS]
+    unknown = [name for name in chosen if name not in (*SCENARIOS, "node-loss")]
     if unknown:
         parser.error(f"unknown scenario {unknown[0]!r}: pick from {', '.join(SCENARIOS)}")
     load = os.getloadavg()[0]
@@ -164,7 +243,8 @@ def main() -> None:
         for index in range(args.repeats):  # scenarios interleaved within each repeat
             for name in chosen:
                 print(f"repeat {index + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
-                results[name].append(one_repeat(Path(scratch), SCENARIOS[name], index, args.nproc, args.steps))
+                results[name].append(node_loss_repeat(Path(scratch), index, args.steps) if name == "node-loss" else
+                                     one_repeat(Path(scratch), SCENARIOS[name], index, args.nproc, args.steps))
     document = {"nproc": args.nproc, "repeats": args.repeats, "load": [load, os.getloadavg()[0]],
                 "scenarios": {name: summary(repeats) for name, repeats in results.items()}}
     if args.json:

@@ -201,8 +201,8 @@ def test_fsdp2_on_two_nodes_restores_each_nodes_own_shards_from_its_memory_exact
 def _lose_node_1(pair: Pair, tmp_path: Path, extra: list[str], join_timeout: str = "120",
                  before_kill: Callable[[], None] = lambda: None) -> None:
     """Rank 1 hangs after step 17 of attempt 1 (its heartbeat timeout is far off); once node 0 holds a verified
-    replica of node 1's step 16, node 1's launcher is SIGKILLed and its memory dir deleted (the node and its RAM
-    are gone)."""
+    replica of node 1's step 16, node 1's launcher and every process under it are SIGKILLed and its memory dir
+    deleted (the node and its RAM are gone; a surviving rank's replica receiver would write into it again)."""
     fault = "hang:rank=1:step=17:attempt=1"
     for node in (0, 1):
         pair.start(node, *_memory_flags(pair, node, tmp_path, *extra, "--heartbeat-timeout", "60",
@@ -210,7 +210,7 @@ def _lose_node_1(pair: Pair, tmp_path: Path, extra: list[str], join_timeout: str
     wait_for(lambda: any(e["node"] == 0 and e["from_node"] == 1 and e["step"] == 16
                          for e in events(pair.run_dir, "replica_received")), timeout=150, what="node 1's step 16 on node 0")
     before_kill()
-    os.kill(pair.procs[1].pid, signal.SIGKILL)
+    kill_tree(pair.procs[1].pid)  # the node and every process on it: none may write into its memory dir after this
     pair.procs[1].wait()
     shutil.rmtree(tmp_path / "ram-node1")
 

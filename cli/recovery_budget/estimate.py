@@ -118,7 +118,7 @@ def build_report(target: parts.Target, probe: bool, world: int, mtbf_s: float | 
     tau, delta, w = pace.interval_s, pace.stall_s, pace.persist_s
     cost = cost_per_failure(rto, tau, delta, w) if rto is not None and tau is not None else None
     hang = components["detect"].facts["hang_s"]
-    lost_node = rto_nodes.node_loss(target)
+    lost_node = rto_nodes.node_loss(target, lambda: _fresh_launch(target, world))
     return {
         "path": str(target.path), "kind": target.kind, "run_id": target.run_id,
         "snapshot": {"path": str(target.snapshot), "step": target.manifest.step, "bytes": target.manifest.total_bytes,
@@ -127,7 +127,8 @@ def build_report(target: parts.Target, probe: bool, world: int, mtbf_s: float | 
         "node_loss": lost_node,
         "totals": {"rto_s": rto, "rto_hang_s": None if rto is None else rto - components["detect"].value_s + hang,
                    "rto_node_loss_s": None if rto is None or lost_node is None else
-                   rto - components["detect"].value_s + lost_node["detect_s"] + lost_node["join"]["value_s"],
+                   rto - components["detect"].value_s + lost_node["detect_s"] + lost_node["join"]["value_s"]
+                   + ((lost_node["restart"]["value_s"] - components["restart"].value_s) if lost_node["restart"] else 0.0),
                    "cost_per_failure_s": cost},
         "mtbf_s": mtbf_s,
         "goodput": goodput(tau, delta, w, rto, mtbf_s) if mtbf_s and cost is not None else None,
@@ -142,8 +143,9 @@ def gather(target: parts.Target, probe: bool, world: int) -> dict[str, Component
     noop = None
     if needs_noop:
         path, _ = parts.relaunch_path(target)
-        parts.say(f"timing a no-op {world}-rank relaunch ({path.words}) and its teardown")
-        noop = noop_attempt(world, target.spec)
+        ranks = max(1, world // rto_nodes.node_count(target))  # one node's share: the nodes relaunch side by side
+        parts.say(f"timing a no-op {ranks}-rank relaunch ({path.words}) and its teardown")
+        noop = noop_attempt(ranks, target.spec)
     return {
         "detect": parts.detect(target),
         "teardown": parts.teardown(target, noop),
@@ -151,6 +153,16 @@ def gather(target: parts.Target, probe: bool, world: int) -> dict[str, Component
         "backoff": parts.backoff(target),
         "restart": parts.restart(target, probe, world, noop),
     }
+
+
+def _fresh_launch(target: parts.Target, world: int) -> float:
+    """A no-op relaunch of one node's ranks through a fresh agent (no standby): a promoted spare's first attempt."""
+    spec = (target.spec.model_copy() if target.spec is not None else None)
+    if spec is not None:
+        spec.standby = False
+    ranks = max(1, world // rto_nodes.node_count(target))
+    parts.say(f"timing a no-op {ranks}-rank launch through a fresh agent (a spare's first attempt)")
+    return noop_attempt(ranks, spec).launch_s
 
 
 def hist_missing(target: parts.Target, key: str) -> bool:

@@ -67,9 +67,12 @@ class NoopTimes:
 
 
 def spec_for(spec: LaunchSpec | None, world: int) -> LaunchSpec:
-    """The run's launch options at ``world`` ranks on this node, on a fresh rendezvous."""
+    """The run's launch options at ``world`` ranks on this node alone, on a fresh standalone rendezvous: a
+    many-node run's no-op times one node's relaunch (every node relaunches at once; a rendezvous across the
+    job's nodes would wait for launchers that are not there)."""
     base = spec.model_copy() if spec is not None else LaunchSpec()
     base.nproc_per_node, base.master_port = str(world), None
+    base.nnodes, base.node_rank, base.rdzv_backend, base.rdzv_endpoint, base.local_addr = "1", 0, None, None, None
     return base
 
 

@@ -109,7 +109,7 @@ class NodeWorld(LocalWorld):
         self.placed = 0  # the attempt whose ranks were written to nodes/node-k/ranks.json
         self.resumed_from_memory = False  # the current attempt restores this node's memory copy
         self.memory_fetch: dict[int, dict[str, int]] = {}  # the next attempt's fetches from replicas: node -> holder, bytes
-        self.spares = SpareBench(job, node_timeout) if settings.leader else None  # launchers waiting to replace a node
+        self.spares = SpareBench(job, node_timeout, self.event) if settings.leader else None  # launchers waiting to replace a node
 
     # --- launching ---
 

@@ -51,15 +51,20 @@ def listed(run_dir: Path) -> list[dict[str, Any]]:
 class SpareBench:
     """The leader's view of the spares: which are live, and promoting one to a lost node's rank."""
 
-    def __init__(self, job: JobStore, timeout_s: float) -> None:
-        self.job, self.watch = job, NodeWatch(timeout_s)
+    def __init__(self, job: JobStore, timeout_s: float, event: Callable[..., None] = lambda *_, **__: None) -> None:
+        self.job, self.watch, self.event = job, NodeWatch(timeout_s), event
         self.started = time.time()
+        self.known: set[int] = set()
 
     def observe(self) -> dict[int, dict[str, Any]]:
         """Every spare and its beat, observed on the leader's clock (call it every poll: a beat that stops
-        changing is stale after the node timeout)."""
+        changing is stale after the node timeout). A spare seen the first time is a ``spare_joined`` event:
+        what ``estimate-rto`` reads to model a lost node's replacement."""
         spares = self.job.spares()
         self.watch.observe(self.job.spare_beats(spares), time.time())
+        for spare in sorted(set(spares) - self.known):
+            self.known.add(spare)
+            self.event("spare_joined", spare=spare, host=spares[spare].get("host"), pid=spares[spare].get("pid"))
         return spares
 
     def live(self) -> list[int]:
