@@ -160,7 +160,8 @@ def wait_all(procs: dict[str, subprocess.Popen], names: tuple[str, ...], timeout
 
 
 def reached(run_dir: Path, step: int) -> bool:
-    metrics = run_dir / "metrics.jsonl"
+    """Rank 0 finished ``step`` (its own loss line, written as each step ends; metrics.jsonl is shared in batches)."""
+    metrics = run_dir / "losses-rank0.jsonl"
     lines = metrics.read_text().splitlines() if metrics.exists() else []
     return any(json.loads(line).get("step", 0) >= step for line in lines if line.strip().startswith("{"))
 
@@ -185,9 +186,11 @@ def node_loss_repeat(root: Path, index: int, steps: int) -> dict:
     predicted = {part: float(estimate["components"][part]["value_s"] or 0.0) for part in PARTS}
     predicted["detect"] = node["detect_s"] + node["join"]["value_s"]
     predicted["restart"] = node["restart"]["value_s"] if node["restart"] else predicted["restart"]
+    measured = {part: float(restart.get(key) or 0.0) for part, key in MEASURED_KEYS.items()}
+    measured["detect"] += float(restart.get("node_join_s") or 0.0)  # the node's silence waited out, its replacement
     total = estimate["totals"]["rto_node_loss_s"]
     return {"predicted_s": total, "measured_s": restart["rto_s"], "ratio": total / restart["rto_s"],
-            "predicted": predicted, "measured": {part: float(restart.get(key) or 0.0) for part, key in MEASURED_KEYS.items()},
+            "predicted": predicted, "measured": measured,
             "restore_sources": [e.get("tier") for e in events(lost, "restore_source")], "cause": restart.get("cause"),
             "promoted": events(lost, "spare_promoted"), "restart_event": restart, "in_launch_ratio": None}
 

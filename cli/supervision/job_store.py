@@ -18,6 +18,13 @@ Keys live under ``ckptrun/<run>/`` and hold small JSON documents:
     ckpt_token            the token the leader wrote into the checkpoint dir (same storage everywhere?)
     spare/joins           how many spare launchers joined (``launch --spare``): spare s is the s-th
     spare/<s>             spare s: pid, host; spare/<s>/beat its heartbeat; spare/<s>/promoted the node it takes
+    heartbeat/index, a<N>/down/index, a<N.r>/verify/index
+                          the nodes that wrote a key of that family: each appends ``k,`` once, after its key
+
+Reads cost the leader a constant number of round trips, not one or two per node: a key once seen is
+known to exist (no key is ever deleted), so the known keys of a read are fetched in one ``multi_get``;
+a family's index says in one request which of its keys exist. torch's extended store API (``append``,
+``multi_get``: torch 2.1) is used where the store has it, else one ``check`` and ``get`` per key.
 
 The store has no TTL and no watch: everyone polls, and a node whose
 heartbeat stops changing is judged stale by the observer's own clock (no
@@ -71,6 +78,11 @@ class JobStore:
     store: Any
     run_id: str
     is_leader: bool = False
+    known: set[str] = field(default_factory=set, init=False, repr=False)  # keys seen to exist (never deleted)
+    listed: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)  # (index, member) appended
+
+    def __post_init__(self) -> None:
+        self.batched = bool(getattr(self.store, "has_extended_api", lambda: False)())  # append, multi_get
 
     @classmethod
     def host(cls, run_id: str, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "JobStore":
@@ -102,21 +114,52 @@ class JobStore:
 
     def read(self, key: str) -> dict[str, Any] | None:
         """The document at ``key``, or None when nobody wrote it yet (never blocks)."""
-        if not self._call("check", [key]):
+        if key not in self.known and not self._call("check", [key]):
             return None
-        return json.loads(self._call("get", key))
+        self.known.add(key)
+        return json.loads(self._fetch([key])[0])
+
+    def _fetch(self, keys: list[str]) -> list[Any]:
+        """The values of keys known to exist, in one request (a missing key would block until the timeout)."""
+        if not self.batched:
+            return [self._call("get", key) for key in keys]
+        return [value for start in range(0, len(keys), 4096) for value in self._call("multi_get", keys[start:start + 4096])]
+
+    def _put_listed(self, index: str, member: object, key: str, value: dict[str, Any]) -> None:
+        """Write ``key``, then list ``member`` in ``index`` (once per client): a reader that finds it listed
+        knows the key exists (one connection's requests are served in order). ``set`` and ``append`` get no
+        answer: the first write waits for one (a ``check``), so it is visible to every client once it returns."""
+        self.put(key, value)
+        if self.batched and (index, str(member)) not in self.listed:
+            self._call("append", index, f"{member},")
+            self._call("check", [index])
+            self.listed.add((index, str(member)))
+
+    def _members(self, index: str) -> set[str]:
+        if index not in self.known and not self._call("check", [index]):
+            return set()
+        self.known.add(index)
+        raw = self._fetch([index])[0]
+        return set((raw.decode() if isinstance(raw, bytes) else str(raw)).split(",")) - {""}
 
     def first(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
         """Write ``value`` unless someone wrote ``key`` first; returns what the key holds (the winner)."""
         return json.loads(self._call("compare_set", key, "", json.dumps(value)))
 
-    def read_many(self, keys: Iterable[tuple[int, str]]) -> dict[int, dict[str, Any]]:
-        found = {}
-        for node, key in keys:
-            value = self.read(key)
-            if value is not None:
-                found[node] = value
-        return found
+    def read_many(self, keys: Iterable[tuple[int, str]], index: str | None = None) -> dict[int, dict[str, Any]]:
+        """The documents of those keys that exist, by member; ``index``: the family's index (its writers list
+        themselves there), which says in one request which of the keys not known yet exist."""
+        pairs = list(keys)
+        unknown = [key for _, key in pairs if key not in self.known]
+        if unknown and index is not None and self.batched:
+            listed = self._members(index)
+            self.known.update(key for member, key in pairs if str(member) in listed)
+        elif unknown and self._call("check", unknown):  # all of them exist: one request
+            self.known.update(unknown)
+        elif len(unknown) > 1:
+            self.known.update(key for key in unknown if self._call("check", [key]))
+        present = [(member, key) for member, key in pairs if key in self.known]
+        return {member: json.loads(value) for (member, _), value in zip(present, self._fetch([k for _, k in present]))}
 
     # --- nodes --------------------------------------------------------------------------
 
@@ -131,10 +174,11 @@ class JobStore:
         return self.read(self.key("node", node))
 
     def beat(self, node: int, **facts: Any) -> None:
-        self.put(self.key("heartbeat", node), {"node": node, "time": time.time(), **facts})
+        self._put_listed(self.key("heartbeat", "index"), node, self.key("heartbeat", node),
+                         {"node": node, "time": time.time(), **facts})
 
     def heartbeats(self, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
-        return self.read_many((n, self.key("heartbeat", n)) for n in nodes)
+        return self.read_many(((n, self.key("heartbeat", n)) for n in nodes), self.key("heartbeat", "index"))
 
     # --- spares -------------------------------------------------------------------------
 
@@ -191,11 +235,13 @@ class JobStore:
     def failure(self, attempt: int) -> dict[str, Any] | None:
         return self.read(self.key(f"a{attempt}", "failure"))
 
-    def ack_teardown(self, attempt: int, node: int, **facts: Any) -> None:
-        self.put(self.key(f"a{attempt}", "down", node), {"node": node, "time": time.time(), **facts})
+    def ack_teardown(self, attempt: int | str, node: int, **facts: Any) -> None:
+        self._put_listed(self.key(f"a{attempt}", "down", "index"), node, self.key(f"a{attempt}", "down", node),
+                         {"node": node, "time": time.time(), **facts})
 
-    def teardown_acks(self, attempt: int, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
-        return self.read_many((n, self.key(f"a{attempt}", "down", n)) for n in nodes)
+    def teardown_acks(self, attempt: int | str, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
+        return self.read_many(((n, self.key(f"a{attempt}", "down", n)) for n in nodes),
+                              self.key(f"a{attempt}", "down", "index"))
 
     def ask_verify(self, attempt: int, round: int, path: str, nodes: list[int]) -> None:
         """The leader's candidate for the attempt after ``attempt``: every node verifies its share of it."""
@@ -205,11 +251,12 @@ class JobStore:
         return self.read(self.key(f"a{attempt}", "verify"))
 
     def post_verify(self, attempt: int | str, node: int, ok: bool, files: int, seconds: float, problems: list[str]) -> None:
-        self.put(self.key(f"a{attempt}", "verify", node),
-                 {"node": node, "ok": ok, "files": files, "seconds": seconds, "problems": problems[:5]})
+        self._put_listed(self.key(f"a{attempt}", "verify", "index"), node, self.key(f"a{attempt}", "verify", node),
+                         {"node": node, "ok": ok, "files": files, "seconds": seconds, "problems": problems[:5]})
 
     def verify_verdicts(self, attempt: int | str, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
-        return self.read_many((n, self.key(f"a{attempt}", "verify", n)) for n in nodes)
+        return self.read_many(((n, self.key(f"a{attempt}", "verify", n)) for n in nodes),
+                              self.key(f"a{attempt}", "verify", "index"))
 
     # --- the job's end ------------------------------------------------------------------------
 

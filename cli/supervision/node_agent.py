@@ -113,8 +113,9 @@ class NodeJob:
         if first.get("node") not in (None, self.world.node):
             watch.failure = {**(watch.failure or {}), **{k: first.get(k) for k in ("cause", "rank", "step", "detect_s")},
                              "node": first.get("node")}
+        waited = time.monotonic()  # a lost node's silence is waited out here: part of the RTO (node_join_s)
         self._wait_for_acks(watch.attempt)
-        waited, lost_nodes = time.monotonic(), self._lost_nodes(first)
+        lost_nodes = self._lost_nodes(first)
         for lost in lost_nodes:
             if self._take_spare(watch.attempt, lost):
                 continue
@@ -127,7 +128,8 @@ class NodeJob:
 
     def restarting(self, watch: AttemptWatch, snapshot: Snapshot | None, pending: dict[str, Any] | None) -> None:
         """Publish the next attempt: its number, the snapshot every node resumes from, the nodes that run it."""
-        if pending is not None:  # the RTO ledger: a lost node's rejoin wait, and who verified
+        if pending is not None:  # the RTO ledger: the wait for every node's teardown (a lost one's silence to
+            # last the node timeout) and for a lost node's replacement; who verified
             pending.update(node_join_s=self.waited, nodes=list(self.world.active), lost_nodes=self.lost_nodes)
         described = describe_snapshot(snapshot)
         if described is not None and self.world.memory.holds(snapshot.path):  # type: ignore[union-attr]

@@ -34,7 +34,9 @@ CUT = {
     "restart": "start-up and restore dominate: smaller snapshots, faster storage, fewer imports and less set-up before training",
     "lost_work": "save more often (--save-every-seconds; with --mtbf the report recommends an interval)",
 }
-RTO_PARTS = ("detect_s", "teardown_s", "verify_s", "backoff_s")  # + relaunch_to_first_step_s
+# + relaunch_to_first_step_s; node_join_s (many nodes): the leader's wait for every node's teardown and a lost
+# node's replacement, after its own teardown and before the verify
+RTO_PARTS = ("detect_s", "teardown_s", "node_join_s", "verify_s", "backoff_s")
 
 
 class Reporter(Protocol):
