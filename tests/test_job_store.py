@@ -312,3 +312,36 @@ def test_spares_join_beat_and_the_leader_promotes_a_live_one_which_then_holds_th
     leader.set_verdict("done", 0, "the run completed")
     other.join(20)
     assert (second["spare"], second["node"], second["verdict"]["code"]) == (2, None, 0)
+
+
+def test_the_leader_reads_every_node_in_a_constant_number_of_requests() -> None:
+    """Issue 26: a read of N nodes' heartbeats, joins, acks or verdicts costs a few requests, not one or two per
+    node (a family's index names the writers; known keys come in one multi_get); another client's first write is
+    visible once it returned; a store without the extended API (torch < 2.1) gives the same answers key by key."""
+    leader = JobStore.host("run-m", "127.0.0.1", 0)
+    clients = [JobStore.connect("run-m", "127.0.0.1", leader.port, timeout_s=5) for _ in range(3)]
+    for node, client in enumerate(clients, start=1):
+        client.join(node)
+        client.beat(node, attempt=4)
+        if node != 2:
+            client.ack_teardown(4, node)
+        client.post_verify("4.1", node, True, files=1, seconds=0.0, problems=[])
+    requests: list[str] = []
+    real = leader._call
+    leader._call = lambda method, *args: (requests.append(method), real(method, *args))[1]  # type: ignore[method-assign]
+    many = range(1, 1000)
+    for _ in range(2):  # unknown keys, then known ones: both cost no more than an index and a multi_get
+        del requests[:]
+        assert sorted(leader.heartbeats(many)) == [1, 2, 3] and len(requests) <= 3, requests
+        del requests[:]
+        assert sorted(leader.teardown_acks(4, many)) == [1, 3] and len(requests) <= 3, requests
+        del requests[:]
+        assert {n: d["incarnation"] for n, d in leader.nodes(many).items()} == {1: 1, 2: 1, 3: 1}
+        assert len(requests) <= 3 and leader.verify_verdicts("4.1", many)[2]["ok"]
+    clients[1].ack_teardown(4, 2)
+    assert sorted(leader.teardown_acks(4, many)) == [1, 2, 3]
+    slow = JobStore.connect("run-m", "127.0.0.1", leader.port, timeout_s=5)
+    slow.batched = False
+    assert slow.heartbeats([1, 2, 3, 4]) == leader.heartbeats([1, 2, 3, 4])
+    assert slow.teardown_acks(4, [1, 2, 3, 4]) == leader.teardown_acks(4, [1, 2, 3, 4])
+    assert slow.node(2) == leader.node(2) and slow.attempt() is None

@@ -18,7 +18,7 @@ Keys live under ``ckptrun/<run>/`` and hold small JSON documents:
     ckpt_token            the token the leader wrote into the checkpoint dir (same storage everywhere?)
     spare/joins           how many spare launchers joined (``launch --spare``): spare s is the s-th
     spare/<s>             spare s: pid, host; spare/<s>/beat its heartbeat; spare/<s>/promoted the node it takes
-    heartbeat/index, a<N>/down/index, a<N.r>/verify/index
+    node/index, heartbeat/index, a<N>/down/index, a<N.r>/verify/index
                           the nodes that wrote a key of that family: each appends ``k,`` once, after its key
 
 Reads cost the leader a constant number of round trips, not one or two per node: a key once seen is
@@ -166,12 +166,16 @@ class JobStore:
     def join(self, node: int, **facts: Any) -> int:
         """Node ``node``'s supervisor arrives; returns its incarnation (1, then 2 for a relaunched one…)."""
         incarnation = int(self._call("add", self.key("node", node, "joins"), 1))
-        self.put(self.key("node", node), {"node": node, "incarnation": incarnation, "time": time.time(),
-                                          "pid": os.getpid(), **facts})
+        self._put_listed(self.key("node", "index"), node, self.key("node", node),
+                         {"node": node, "incarnation": incarnation, "time": time.time(), "pid": os.getpid(), **facts})
         return incarnation
 
     def node(self, node: int) -> dict[str, Any] | None:
         return self.read(self.key("node", node))
+
+    def nodes(self, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """The records of those nodes that joined, in a constant number of requests (``node`` reads one)."""
+        return self.read_many(((n, self.key("node", n)) for n in nodes), self.key("node", "index"))
 
     def beat(self, node: int, **facts: Any) -> None:
         self._put_listed(self.key("heartbeat", "index"), node, self.key("heartbeat", node),

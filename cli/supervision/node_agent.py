@@ -163,11 +163,12 @@ class NodeJob:
 
     def _grow(self, watch: AttemptWatch) -> None:
         """A dropped node whose launcher joined again takes part from the next attempt on."""
-        back = [n for n in self.world.nodes if n not in self.world.active
-                and int((self.job.node(n) or {}).get("incarnation", 0)) > self.incarnations.get(n, 1)]
+        dropped = [n for n in self.world.nodes if n not in self.world.active]
+        records = self.job.nodes(dropped) if dropped else {}
+        back = [n for n in dropped if int(records.get(n, {}).get("incarnation", 0)) > self.incarnations.get(n, 1)]
         if back:
             for node in back:
-                self.incarnations[node] = int((self.job.node(node) or {})["incarnation"])
+                self.incarnations[node] = int(records[node]["incarnation"])
             self.world.active = sorted({*self.world.active, *back})
             self.world.event("nodes_changed", attempt=watch.attempt + 1, joined=back, nodes=self.world.active,
                              reason="a dropped node's launcher joined again")
@@ -179,8 +180,9 @@ class NodeJob:
 
     def _relaunched(self) -> list[int]:
         """Nodes whose launcher was replaced by a new one (it joined again: a higher incarnation)."""
+        records = self.job.nodes(self._others())  # one batched read, not one per node
         return [n for n in self._others()
-                if int((self.job.node(n) or {}).get("incarnation", 0)) > self.incarnations.get(n, 1)]
+                if int(records.get(n, {}).get("incarnation", 0)) > self.incarnations.get(n, 1)]
 
     def _lost_nodes(self, first: dict[str, Any]) -> list[int]:
         """Nodes whose launcher died in this attempt, whatever was reported first (a lost node's peers
@@ -229,10 +231,11 @@ class NodeJob:
         """Wait for every node's launcher to join; the nodes still missing after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
-            missing = [n for n in nodes if n != self.world.node and self.job.node(n) is None]
+            records = self.job.nodes(nodes)
+            missing = [n for n in nodes if n != self.world.node and n not in records]
             if not missing:
                 for n in nodes:
-                    self.incarnations[n] = int((self.job.node(n) or {}).get("incarnation", 1))
+                    self.incarnations[n] = int(records.get(n, {}).get("incarnation", 1))
                 return []
             if time.monotonic() >= deadline:
                 return missing
