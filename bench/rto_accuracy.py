@@ -13,12 +13,12 @@ component predicted vs measured shows which part of the model is off.
 
 Scenarios (``--scenarios``, comma-separated):
 
-  kill       a rank SIGKILLed after step 17: detection is one supervisor poll, teardown the
+  kill       a rank SIGKILLed after step --steps − 50: detection is one supervisor poll, teardown the
              crash's SIGKILL, restore from the newest durable snapshot
-  hang       a rank silent after step 17 with --heartbeat-timeout 5s: detection is the heartbeat
+  hang       a rank silent after step --steps − 50 with --heartbeat-timeout 5s: detection is the heartbeat
              timeout + the stack-dump wait (the estimate's ``rto_hang_s``)
   memory     the kill, with --memory-every-steps 2: the restore is from the memory tier
-  node-loss  two nodes and a hot spare on 127.0.0.1 (one rank each): node 1's rank hangs after step 17
+  node-loss  two nodes and a hot spare on 127.0.0.1 (one rank each): node 1's rank hangs after step --steps − 50
              and its launcher is SIGKILLed; the leader judges the node lost after the node timeout
              (30 s here: the heartbeat timeout 60 s, capped) and promotes the spare, whose first attempt starts
              a fresh agent (``rto_node_loss_s``;
@@ -52,6 +52,7 @@ PARTS = ("detect", "teardown", "verify", "backoff", "restart")
 MEASURED_KEYS = {"detect": "detect_s", "teardown": "teardown_s", "verify": "verify_s", "backoff": "backoff_s",
                  "restart": "relaunch_to_first_step_s"}
 GOAL = (0.75, 1.25)
+FAULT_BEFORE_END = 50  # the fault's step: steps - 50
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,9 @@ class Scenario:
 
 
 SCENARIOS = {
-    "kill": Scenario("kill", (), "kill:rank={rank}:step=17"),
-    "hang": Scenario("hang", ("--heartbeat-timeout", "5s"), "hang:rank={rank}:step=17", total_key="rto_hang_s"),
-    "memory": Scenario("memory", ("--memory-every-steps", "2"), "kill:rank={rank}:step=17"),
+    "kill": Scenario("kill", (), "kill:rank={rank}:step={step}"),
+    "hang": Scenario("hang", ("--heartbeat-timeout", "5s"), "hang:rank={rank}:step={step}", total_key="rto_hang_s"),
+    "memory": Scenario("memory", ("--memory-every-steps", "2"), "kill:rank={rank}:step={step}"),
 }
 
 
@@ -80,7 +81,7 @@ def launch(run_dir: Path, scenario: Scenario, nproc: int, steps: int, fault: str
     """``budget``: with --rto-budget, so the launch makes its own estimate while it trains (the same model)."""
     flags = ["launch", "--nproc-per-node", str(nproc), "--save-every-steps", "5", "--threads", "1",
              "--run-dir", str(run_dir), "--name", run_dir.name, *scenario.flags]
-    flags += ["--inject-fault", fault.format(rank=nproc - 1)] if fault else []
+    flags += ["--inject-fault", fault.format(rank=nproc - 1, step=steps - FAULT_BEFORE_END)] if fault else []
     flags += ["--rto-budget", "1h"] if budget else []
     ckptrun(*flags, "--", "--steps", str(steps))
 
@@ -167,7 +168,7 @@ def reached(run_dir: Path, step: int) -> bool:
 
 
 def node_loss_repeat(root: Path, index: int, steps: int) -> dict:
-    """Node 1 lost after step 17 (its rank hung, then its launcher SIGKILLed: a node gone without a word);
+    """Node 1 lost after step steps − 50 (its rank hung, then its launcher SIGKILLed: a node gone without a word);
     the spare takes its place at once. The estimate is made on a clean run of the same three launchers."""
     clean = root / f"node-loss-clean-{index}"
     clean.mkdir(parents=True)
@@ -175,9 +176,10 @@ def node_loss_repeat(root: Path, index: int, steps: int) -> dict:
     estimate = json.loads(ckptrun("estimate-rto", str(clean), "--json").stdout)
     lost = root / f"node-loss-fault-{index}"
     lost.mkdir(parents=True)
-    procs = start_nodes(lost, steps, "hang:rank=1:step=17:attempt=1")
+    fault_step = steps - FAULT_BEFORE_END
+    procs = start_nodes(lost, steps, f"hang:rank=1:step={fault_step}:attempt=1")
     deadline = time.monotonic() + 300
-    while not reached(lost, 17) and time.monotonic() < deadline and procs["node0"].poll() is None:
+    while not reached(lost, fault_step) and time.monotonic() < deadline and procs["node0"].poll() is None:
         time.sleep(0.05)
     procs["node1"].kill()
     wait_all(procs, ("node0", "spare"))
@@ -233,7 +235,8 @@ def main() -> None:
     parser.add_argument("--scenarios", default="kill,hang,memory", help=f"comma-separated: {', '.join(SCENARIOS)}, node-loss")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=200, help=f"steps per run; the fault comes {FAULT_BEFORE_END} "
+                        "before the end (seconds into the run: the next attempt's standby is ready, as in a real job)")
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON document")
     args = parser.parse_args()
     chosen = [name.strip() for name in args.scenarios.split(",") if name.strip()]

@@ -38,6 +38,7 @@ from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.worker.liveness import watch_supervisor
 
 RANKS_EXIT_S = 3.0
+WARM_IMPORTS = "ckptrun.runtime.worker.bootstrap"  # loaded last by standby.warm_imports: a standby's agent has it
 FORKED_RANKS_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs a forked rank's failure with its traceback
 
 
@@ -59,6 +60,8 @@ def main(argv: list[str]) -> int:
     _watch_supervisor()
     logging.getLogger(FORKED_RANKS_LOGGER).addFilter(_without_traceback)
     ends = _forked_rank_ends(torchrun_args)
+    if ends is not None and WARM_IMPORTS not in sys.modules:  # a fresh agent (the first attempt) forking its ranks
+        _warm_imports()
     gc.freeze()  # what is loaded now is never collected: ranks forked from here (warm workers) copy fewer pages
     code = _torchrun(record, torchrun_args, ends)
     refused = fork_fallback.bad_fork_ranks(ends.pid_dir) if ends is not None and code != 0 else []
@@ -67,6 +70,15 @@ def main(argv: list[str]) -> int:
         record.unlink(missing_ok=True)  # the forked round's failures are not this attempt's
         code = _torchrun(record, fork_fallback.spawn_args(torchrun_args), None)
     return code
+
+
+def _warm_imports() -> None:
+    """What a warm standby loads before it forks a restart's ranks, loaded here for the first attempt's: every
+    rank would import it (the runtime, and ``torch._dynamo``, which DDP's first step imports), and the first
+    attempt then pays what a restart pays, which is what ``estimate-rto`` reads from it."""
+    from ckptrun.cli.supervision.standby import warm_imports
+
+    warm_imports()
 
 
 def _torchrun(record: Path, torchrun_args: list[str], ends: RankEnds | None) -> int:
