@@ -13,12 +13,12 @@ component predicted vs measured shows which part of the model is off.
 
 Scenarios (``--scenarios``, comma-separated):
 
-  kill       a rank SIGKILLed after step --steps − 50: detection is one supervisor poll, teardown the
+  kill       a rank SIGKILLed after step --steps − 48: detection is one supervisor poll, teardown the
              crash's SIGKILL, restore from the newest durable snapshot
-  hang       a rank silent after step --steps − 50 with --heartbeat-timeout 5s: detection is the heartbeat
+  hang       a rank silent after step --steps − 48 with --heartbeat-timeout 5s: detection is the heartbeat
              timeout + the stack-dump wait (the estimate's ``rto_hang_s``)
   memory     the kill, with --memory-every-steps 2: the restore is from the memory tier
-  node-loss  two nodes and a hot spare on 127.0.0.1 (one rank each): node 1's rank hangs after step --steps − 50
+  node-loss  two nodes and a hot spare on 127.0.0.1 (one rank each): node 1's rank hangs after step --steps − 48
              and its launcher is SIGKILLed; the leader judges the node lost after the node timeout
              (30 s here: the heartbeat timeout 60 s, capped) and promotes the spare, whose first attempt starts
              a fresh agent (``rto_node_loss_s``;
@@ -52,7 +52,7 @@ PARTS = ("detect", "teardown", "verify", "backoff", "restart")
 MEASURED_KEYS = {"detect": "detect_s", "teardown": "teardown_s", "verify": "verify_s", "backoff": "backoff_s",
                  "restart": "relaunch_to_first_step_s"}
 GOAL = (0.75, 1.25)
-FAULT_BEFORE_END = 50  # the fault's step: steps - 50
+FAULT_BEFORE_END = 48  # the fault's step: steps - 48 (200 steps: after 152, past a durable save at 150 and a memory one at 152)
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def reached(run_dir: Path, step: int) -> bool:
 
 
 def node_loss_repeat(root: Path, index: int, steps: int) -> dict:
-    """Node 1 lost after step steps − 50 (its rank hung, then its launcher SIGKILLed: a node gone without a word);
+    """Node 1 lost after step steps − 48 (its rank hung, then its launcher SIGKILLed: a node gone without a word);
     the spare takes its place at once. The estimate is made on a clean run of the same three launchers."""
     clean = root / f"node-loss-clean-{index}"
     clean.mkdir(parents=True)
