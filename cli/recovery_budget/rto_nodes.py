@@ -8,7 +8,7 @@ last the node timeout before the leader judges it lost, then the leader waits
 for a relaunched launcher of that node rank (``--node-join-timeout`` bounds
 it; past ``node_joined`` events say how long it really took) — or, when the
 run keeps hot spares (``spare_joined`` events), promotes one at once, whose
-first attempt starts cold. One node: no change. Importable without torch.
+first attempt starts a fresh agent. One node: no change. Importable without torch.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def node_loss(target: Target, time_fresh_launch: Callable[[], float] | None = No
                          f"{len(promoted)} past one(s)") if promoted else \
             Component("node_join", SPARE_POLL_S, CONFIGURED, f"a spare ({len(spares)} joined this run) takes the rank at "
                       f"once: it reads its promotion within one poll ({fmt(SPARE_POLL_S)}), modelled")
-        after = [r for r in target.restarts if r.get("node_join_s") and r.get("relaunch_to_first_step_s")]
+        after = [r for r in target.restarts if r.get("lost_nodes") and r.get("relaunch_to_first_step_s")]
         if promoted and after:
             value = sorted(float(r["relaunch_to_first_step_s"]) for r in after)[len(after) // 2]
             restart = Component("restart", value, HISTORY, f"median of {len(after)} restart(s) after a spare took "
