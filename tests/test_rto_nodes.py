@@ -5,7 +5,6 @@ estimate's own run of it is covered end to end by bench/rto_accuracy.py's node-l
 
 from __future__ import annotations
 
-
 import pytest
 from workers import run_job
 
