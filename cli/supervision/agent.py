@@ -38,7 +38,7 @@ from ckptrun.runtime.env import EnvError, RunEnv
 from ckptrun.runtime.worker.liveness import watch_supervisor
 
 RANKS_EXIT_S = 3.0
-WARM_IMPORTS = "ckptrun.runtime.worker.bootstrap"  # loaded last by standby.warm_imports: a standby's agent has it
+WARM_IMPORTS = "ckptrun.runtime.worker.bootstrap"  # loaded last by warm_imports: a standby's agent has it
 FORKED_RANKS_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs a forked rank's failure with its traceback
 
 
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger(FORKED_RANKS_LOGGER).addFilter(_without_traceback)
     ends = _forked_rank_ends(torchrun_args)
     if ends is not None and WARM_IMPORTS not in sys.modules:  # a fresh agent (the first attempt) forking its ranks
-        _warm_imports()
+        warm_imports()  # a standby did it already: the first attempt's ranks get what a restart's get
     gc.freeze()  # what is loaded now is never collected: ranks forked from here (warm workers) copy fewer pages
     code = _torchrun(record, torchrun_args, ends)
     refused = fork_fallback.bad_fork_ranks(ends.pid_dir) if ends is not None and code != 0 else []
@@ -72,13 +72,19 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def _warm_imports() -> None:
-    """What a warm standby loads before it forks a restart's ranks, loaded here for the first attempt's: every
-    rank would import it (the runtime, and ``torch._dynamo``, which DDP's first step imports), and the first
-    attempt then pays what a restart pays, which is what ``estimate-rto`` reads from it."""
-    from ckptrun.cli.supervision.standby import warm_imports
+def warm_imports() -> None:
+    """What a warm rank would import first, loaded in the agent that forks it: by a warm standby before its word,
+    and by a fresh agent (the first attempt's) before it forks, so the first attempt's set-up and first step are
+    what a restart repeats (``estimate-rto`` reads them): the bootstrap, and the runtime a ckptrun script loads at
+    ``init()`` (a plain script's ranks inherit it unused). No thread is started by these imports (fork safety). The
+    bootstrap last: what is loaded before it does not count as the script's use of the runtime.
+    ``torch._inductor.config`` is what ``torch.use_deterministic_algorithms`` imports (torch._dynamo, sympy):
+    the largest part of ``init()`` in a rank that did not have it."""
+    import torch._inductor.config  # noqa: F401
 
-    warm_imports()
+    import ckptrun.runtime.step.data  # noqa: F401
+    import ckptrun.runtime.step.startup  # noqa: F401
+    import ckptrun.runtime.worker.bootstrap  # noqa: F401
 
 
 def _torchrun(record: Path, torchrun_args: list[str], ends: RankEnds | None) -> int:

@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
     from ckptrun.cli.supervision import agent
 
     if "--warm" in argv:  # the ranks are forked from here: the runtime a script imports, loaded once for all
-        warm_imports()
+        agent.warm_imports()
     print(f"ckptrun standby: ready {time.time() - started:.2f}s after its start", flush=True)
 
     line = sys.stdin.readline()
@@ -178,19 +178,6 @@ def main(argv: list[str]) -> int:
     Path(word["console_log"]).parent.mkdir(parents=True, exist_ok=True)
     _take_over(word)
     return agent.main(word["argv"])
-
-
-def warm_imports() -> None:
-    """What a warm rank would import first: the bootstrap, and the runtime a ckptrun script loads at ``init()``
-    (a plain script's ranks inherit it unused). No thread is started by these imports (fork safety). The
-    bootstrap last: what is loaded before it does not count as the script's use of the runtime.
-    ``torch._inductor.config`` is what ``torch.use_deterministic_algorithms`` imports (torch._dynamo, sympy):
-    the largest part of ``init()`` in a rank that did not have it."""
-    import torch._inductor.config  # noqa: F401
-
-    import ckptrun.runtime.step.data  # noqa: F401
-    import ckptrun.runtime.step.startup  # noqa: F401
-    import ckptrun.runtime.worker.bootstrap  # noqa: F401
 
 
 if __name__ == "__main__":
