@@ -25,6 +25,7 @@ Progress goes to stderr, the table (or with ``--json`` one JSON document) to std
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import filecmp
@@ -209,10 +210,8 @@ def _supervise(procs: list[subprocess.Popen], deadline: float, what: str) -> Non
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{what}: still running at the --timeout deadline (exit codes {codes})")
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # still running: look at all of them again
             procs[codes.index(None)].wait(timeout=min(1.0, left))
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:

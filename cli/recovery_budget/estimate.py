@@ -143,7 +143,7 @@ def gather(target: parts.Target, probe: bool, world: int) -> dict[str, Component
     noop = None
     if needs_noop:
         path, _ = parts.relaunch_path(target)
-        ranks = max(1, world // rto_nodes.node_count(target))  # one node's share: the nodes relaunch side by side
+        ranks = rto_nodes.ranks_per_node(target, world)
         parts.say(f"timing a no-op {ranks}-rank relaunch ({path.words}) and its teardown")
         noop = noop_attempt(ranks, target.spec)
     return {
@@ -157,10 +157,8 @@ def gather(target: parts.Target, probe: bool, world: int) -> dict[str, Component
 
 def _fresh_launch(target: parts.Target, world: int) -> float:
     """A no-op relaunch of one node's ranks through a fresh agent (no standby): a promoted spare's first attempt."""
-    spec = (target.spec.model_copy() if target.spec is not None else None)
-    if spec is not None:
-        spec.standby = False
-    ranks = max(1, world // rto_nodes.node_count(target))
+    spec = target.spec.model_copy(update={"standby": False}) if target.spec is not None else None
+    ranks = rto_nodes.ranks_per_node(target, world)
     parts.say(f"timing a no-op {ranks}-rank launch through a fresh agent (a spare's first attempt)")
     return noop_attempt(ranks, spec).launch_s
 

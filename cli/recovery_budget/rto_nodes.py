@@ -28,6 +28,11 @@ def node_count(target: Target) -> int:
     return int(target.spec.nnodes.split(":")[-1]) if target.spec is not None else 1
 
 
+def ranks_per_node(target: Target, world: int) -> int:
+    """One node's share of ``world`` ranks: what a no-op relaunch times (the nodes relaunch side by side)."""
+    return max(1, world // node_count(target))
+
+
 def spread_verify(target: Target, verify: Component) -> Component:
     """The verify a restart of this run makes: this machine's measurement shared by every node."""
     nodes = node_count(target)
