@@ -20,8 +20,8 @@ Scenarios (``--scenarios``, comma-separated):
   memory     the kill, with --memory-every-steps 2: the restore is from the memory tier
   node-loss  two nodes and a hot spare on 127.0.0.1 (one rank each): node 1's rank hangs after step --steps − 48
              and its launcher is SIGKILLed; the leader judges the node lost after the node timeout
-             (30 s here: the heartbeat timeout 60 s, capped) and promotes the spare, whose first attempt starts
-             a fresh agent (``rto_node_loss_s``;
+             (30 s here: the heartbeat timeout 60 s, capped) and promotes the spare, whose first attempt goes
+             through the standby it kept warm (``rto_node_loss_s``;
              the predicted detect is the node timeout + the spare's promotion)
 
     python bench/rto_accuracy.py [--scenarios kill,hang,memory] [--repeats 3] [--nproc 2] [--json]

@@ -200,12 +200,14 @@ def store_at(where: Path | StoreUrl, items: list[str] | None = None) -> FsspecSt
 def cache_of_run(run_dir: Path) -> Path | None:
     """Where a command that reads a store run downloads its snapshot: the run's ``--local-cache`` (a restore tier,
     as a restart would use it), else None (a temporary directory): ``RUN_DIR/staging`` holds a snapshot only
-    while it uploads, and a run dir gets no ``checkpoints/`` of a command's making."""
+    while it uploads, and a run dir gets no ``checkpoints/`` of a command's making. On many nodes each node's
+    cache holds only its own ranks' files: None too."""
     try:
-        cache = json.loads((run_dir / "run.json").read_text())["spec"].get("cache_dir")
+        spec = json.loads((run_dir / "run.json").read_text())["spec"]
+        cache, nodes = spec.get("cache_dir"), int(str(spec.get("nnodes") or "1").split(":")[-1])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return Path(cache) if cache else None
+    return Path(cache) if cache and nodes == 1 else None
 
 
 def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], None] = lambda _: None) -> Any:

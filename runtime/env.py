@@ -65,6 +65,7 @@ class RunEnv(BaseModel):
     ckpt_dir: Path | None = Field(None, description="Snapshot directory; default RUN_DIR/checkpoints.")
     ckpt_url: str | None = Field(None, description="Object-store URL (s3://…, any fsspec URL) every snapshot is uploaded to and committed in; ckpt_dir is then its local copy.")
     local_cache: bool = Field(False, description="With ckpt_url: ckpt_dir is a restore tier kept by its own retention; else staging, emptied after each upload.")
+    node_cache_dir: Path | None = Field(None, description="With ckpt_url on many nodes (--local-cache): this node's own cache, which keeps the files its ranks wrote of each committed snapshot (a restore tier); the snapshot stages in ckpt_dir.")
     storage_options: str | None = Field(None, description="fsspec options for ckpt_url, a JSON object (--storage-option); credentials come from the environment.")
     attempt: int = Field(1, ge=1, description="1 for the first attempt, +1 per restart.")
     restart: bool = Field(False, description="True on every attempt after the first (a restart, or a resume): a script that keeps its own checkpoints continues from them (see CKPTRUN_ATTEMPT).")

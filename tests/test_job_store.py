@@ -175,7 +175,8 @@ def _node_job(job: JobStore, node: int, join_timeout: float = 20.0):
 
     world = SimpleNamespace(job=job, node=node, settings=SimpleNamespace(leader=node == 0, spare=None), active=[node],
                             stop_file_present=lambda: False, say=lambda line: None, event=lambda name, **fields: None,
-                            memory=MemoryDir(None), spares=None, memory_fetch={})  # no memory tier, no spares
+                            memory=MemoryDir(None), spares=None, memory_fetch={},  # no memory tier, no spares
+                            spec=SimpleNamespace(node_cache_dir=None))  # no node cache
     timeouts = SimpleNamespace(poll=0.02, startup=20.0)
     return NodeJob(world, timeouts, SimpleNamespace(reason=lambda now, present: None), join_timeout)
 

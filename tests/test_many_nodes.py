@@ -169,6 +169,56 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]
         tracker.close()
 
 
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """A real S3 endpoint (moto_server on loopback) whose client environment the launchers inherit."""
+    from s3_server import start_server
+
+    server = start_server(tmp_path_factory.mktemp("moto") / "moto.log")
+    saved = {key: os.environ.get(key) for key in server.env}
+    server.apply()
+    yield server
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.mark.timeout(420)
+def test_each_nodes_local_cache_keeps_its_own_files_and_a_restart_reads_them_there_exactly(
+        tmp_path: Path, cleanup: Cleanup, s3, fsdp_reference: dict[int, float]) -> None:
+    """Issue 25 item 4: FSDP2 on two nodes, snapshots in S3 every 5 steps (synchronous: step 15 is committed
+    before step 16 runs), each node its own --local-cache, and the memory tier every 3 steps (accepted with
+    the cache on many nodes). Each node's cache holds only its own rank's files of each snapshot, with the
+    whole manifest. Node 1's rank is killed after step 17: no memory step is newer than the durable step 15,
+    so every node restores step 15 from its own cache and downloads only the files it lacks (restore_source
+    tier local-cache, 0 < durable_bytes_read < the snapshot's bytes), and the losses equal the uninterrupted
+    two-node run bitwise."""
+    pair = Pair(tmp_path, cleanup, "node-cache")
+    url = f"s3://{s3.new_bucket()}/ckpt"
+    caches = {node: tmp_path / f"disk-node{node}" for node in (0, 1)}
+    for node in (0, 1):
+        pair.start(node, *pair.flags(node), *QUICK, "--ckpt-dir", url, "--local-cache", str(caches[node]), "--sync-save",
+                   "--memory-every-steps", "3", "--memory-dir", str(tmp_path / f"ram-node{node}"),
+                   "--local-addr", f"127.0.0.{node + 1}", "--inject-fault", "kill:rank=1:step=17", *FSDP_JOB)
+    assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
+    for node, cache in caches.items():
+        copies = sorted(cache.glob("step-*"))
+        assert [c.name for c in copies] == ["step-000000010", "step-000000015", "step-000000020"], (node, copies)
+        for copy in copies:
+            files = json.loads((copy / "manifest.json").read_text())["files"]
+            held = {str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()} - {"manifest.json"}
+            restored = copy.name == "step-000000015"  # filled with the files it lacked, to be loaded
+            assert held == {f["path"] for f in files if restored or (f.get("rank") or 0) == node}, (node, copy, held)
+    sources = events(pair.run_dir, "restore_source")
+    assert sorted((e["node"], e["tier"], e["step"]) for e in sources) == [(0, "local-cache", 15), (1, "local-cache", 15)], sources
+    assert all(0 < e["durable_bytes_read"] < e["bytes"] for e in sources), sources
+    assert {Path(e["snapshot"]).parent for e in sources} == {caches[0], caches[1]}
+    assert_losses_equal(pair.run_dir, fsdp_reference)
+
+
 def _memory_flags(pair: Pair, node: int, root: Path, *extra: str) -> list[str]:
     """A node of a memory-tier job: its own --memory-dir (its "RAM") and address (each node keeps its ranks)."""
     return [*pair.flags(node), *QUICK, "--memory-every-steps", "2", "--memory-dir", str(root / f"ram-node{node}"),
@@ -269,6 +319,9 @@ def test_a_hot_spare_takes_the_lost_nodes_place_at_once_and_restores_its_shards_
     assert Path([e for e in sources if e["node"] == 1][0]["snapshot"]).parent == tmp_path / "ram-spare"
     assert_losses_equal(pair.run_dir, fsdp_reference)
     assert "promoted to node rank 1" in spare.log_path.read_text()  # type: ignore[attr-defined]
+    # its first attempt as node 1 went through the standby it kept warm while it waited
+    assert (1, 2) in [(e["node"], e["attempt"]) for e in events(pair.run_dir, "standby_used")]
+    assert "ckptrun standby: ready" in (pair.run_dir / "spares" / "standby.log").read_text()
 
 
 @pytest.mark.timeout(480)

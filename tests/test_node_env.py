@@ -187,16 +187,19 @@ def test_one_node_launch_refuses_many_nodes_where_only_one_launcher_runs(tmp_pat
     assert "--node-rank" in (error.value.hint or "") and not (tmp_path / "r").exists()
 
 
-def test_a_node_local_cache_is_refused_on_many_nodes(tmp_path) -> None:
-    """Finding 9: --local-cache with --nnodes 2 is refused (exit 2) before a run dir or a store exists."""
-    from ckptrun.cli.errors import EXIT_REFUSED
-    from ckptrun.cli.supervision.many_nodes import start_nodes
+def test_a_local_cache_on_many_nodes_is_each_nodes_own_and_snapshots_stage_in_the_shared_run_dir(tmp_path) -> None:
+    """Issue 25 item 4 (it was refused): with --nnodes 2, --local-cache is this node's cache of its ranks' files
+    (contract C1's node_cache_dir) and the snapshot stages in RUN_DIR/staging, which every node shares; on one
+    node it stays the run's local snapshot dir."""
+    from ckptrun.cli.supervision.runner import ckpt_dir_of
     from ckptrun.cli.supervision.spec import build_spec
 
-    spec = build_spec({"ckpt_dir": "memory://bucket/run", "cache_dir": tmp_path / "cache", "nnodes": "2",
-                       "run_dir": tmp_path / "run"})
-    settings = node_settings({**NONE, "nnodes": "2", "rdzv_endpoint": "127.0.0.1:29500", "name": "job"}, {})
-    with pytest.raises(CkptrunError, match="--local-cache") as error:
-        start_nodes(spec, settings, argv=[], as_json=False, estimator=None)
-    assert error.value.exit_code == EXIT_REFUSED and "RUN_DIR/staging" in (error.value.hint or "")
-    assert not (tmp_path / "run").exists()
+    many = build_spec({"ckpt_dir": "memory://bucket/run", "cache_dir": tmp_path / "cache", "nnodes": "2"})
+    assert (many.node_cache_dir, many.local_cache_dir) == (tmp_path / "cache", None)
+    assert ckpt_dir_of(many, tmp_path / "run") == tmp_path / "run" / "staging"
+    policy = many.worker_policy()
+    assert (policy["node_cache_dir"], policy["local_cache"]) == (tmp_path / "cache", False)
+    one = build_spec({"ckpt_dir": "memory://bucket/run", "cache_dir": tmp_path / "cache"})
+    assert (one.node_cache_dir, one.local_cache_dir, ckpt_dir_of(one, tmp_path / "run")) == \
+        (None, tmp_path / "cache", tmp_path / "cache")
+    assert (one.worker_policy()["node_cache_dir"], one.worker_policy()["local_cache"]) == (None, True)

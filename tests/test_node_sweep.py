@@ -21,6 +21,9 @@ def test_the_sweep_finds_only_its_own_nodes_workers() -> None:
             started[node] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
         assert [p.pid for p in processes_of_run("sweep-r", node=1)] == [started[1].pid]
         assert sorted(p.pid for p in processes_of_run("sweep-r")) == sorted(p.pid for p in started.values())
+        # a promoted spare's node sweeps its own rank and the label its standby (started before it had one) carries
+        assert [p.pid for p in processes_of_run("sweep-r", node={"1", "spare-3"})] == [started[1].pid]
+        assert processes_of_run("sweep-r", node={"spare-3"}) == []
         kill_all(processes_of_run("sweep-r", node=1))
         assert started[1].wait(timeout=20) is not None and started[0].poll() is None
     finally:

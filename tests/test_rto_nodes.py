@@ -1,6 +1,6 @@
 """What a lost node adds to the recovery estimate (``rto_nodes.node_loss``), on a real run's snapshot and records:
 the node timeout, then a rejoin bounded by --node-join-timeout, or a hot spare's promotion and its first attempt
-through a fresh agent (issue 26 item 1). The fresh agent's no-op relaunch is passed in as a figure here; the
+through the standby it kept warm (or, with --no-standby, a fresh agent) (issue 26 item 1). The fresh agent's no-op relaunch is passed in as a figure here; the
 estimate's own run of it is covered end to end by bench/rto_accuracy.py's node-loss scenario."""
 
 from __future__ import annotations
@@ -37,8 +37,16 @@ def test_one_node_adds_nothing_and_a_rejoin_is_bounded_by_the_join_timeout(targe
     assert (lost["join"]["value_s"], lost["join"]["source"], lost["restart"]) == (120.0, "configured", None)
 
 
-def test_a_spare_is_its_promotion_and_a_first_attempt_through_a_fresh_agent(target: components.Target) -> None:
+def test_a_spare_is_its_promotion_and_then_a_warm_restart_through_the_standby_it_kept(target: components.Target) -> None:
     spared = with_events(target, {"event": "spare_joined", "spare": 1})
+    lost = rto_nodes.node_loss(spared, lambda: pytest.fail("the spare's standby: the restart's own estimate"))
+    assert lost["join"]["value_s"] == POLL_S and lost["restart"] is None
+
+
+def test_without_a_standby_a_spare_is_its_promotion_and_a_first_attempt_through_a_fresh_agent(
+        target: components.Target) -> None:
+    spared = with_events(target, {"event": "spare_joined", "spare": 1})
+    spared.spec = spared.spec.model_copy(update={"standby": False})
     lost = rto_nodes.node_loss(spared, lambda: 1.5)
     assert lost["join"]["value_s"] == POLL_S and "modelled" in lost["join"]["detail"]
     step, _ = components.setup_and_first_step(spared)

@@ -70,7 +70,7 @@ def launch(
     name: Optional[str] = _opt("--name", "Run name. [default: SCRIPT-STEM-DATE-TIME]", RUN),
     run_dir: Optional[Path] = _opt("--run-dir", "Run directory. [default: runs/NAME]", RUN),
     ckpt_dir: Optional[str] = _opt("--ckpt-dir", "Checkpoint directory, or an object-store URL (s3://BUCKET/PREFIX, any fsspec URL). [default: RUN_DIR/checkpoints]", RUN),
-    local_cache: Optional[Path] = _opt("--local-cache", "With a URL --ckpt-dir: keep each snapshot in DIR too, for fast restores. [default: staging in RUN_DIR/staging]", RUN, metavar="DIR"),
+    local_cache: Optional[Path] = _opt("--local-cache", "With a URL --ckpt-dir: keep each snapshot in DIR too, for fast restores (many nodes: each node its own DIR, holding its ranks' files). [default: staging in RUN_DIR/staging]", RUN, metavar="DIR"),
     storage_option: Optional[list[str]] = _opt("--storage-option", "fsspec option of a URL --ckpt-dir, KEY=VALUE (repeatable), e.g. endpoint_url=http://minio:9000.", RUN, metavar="KEY=VALUE"),
     precision: Optional[str] = _opt("--precision", "auto, fp32, tf32, bf16, fp16 or fp8. [default: auto]", POLICY),
     save_every_steps: Optional[int] = _opt("--save-every-steps", "Save a snapshot every N steps.", POLICY),

@@ -139,7 +139,7 @@ def read_spec(run_dir: Path) -> tuple[LaunchSpec | None, str | None]:
 def ckpt_dir_of(spec: LaunchSpec | None, run_dir: Path) -> Path:
     if spec is None:
         return run_dir / "checkpoints"
-    return local_dir(spec.store_url, spec.cache_dir, spec.ckpt_dir, run_dir)
+    return local_dir(spec.store_url, spec.local_cache_dir, spec.ckpt_dir, run_dir)
 
 
 def timeouts(spec: LaunchSpec | None) -> Timeouts:

@@ -53,7 +53,7 @@ def find_target(given: Path | str, storage_option: list[str] | None = None) -> p
         spec, run_id = _run_record(path)
         ckpt_dir = spec.ckpt_dir if spec is not None and spec.ckpt_dir is not None else path / "checkpoints"
         remote = store_location.store_of(spec, run_id, given_options)  # this run's snapshots only, on a shared prefix
-        target = (_store_target(path, "run", remote, spec.cache_dir, run_dir=path, spec=spec, run_id=run_id) if remote
+        target = (_store_target(path, "run", remote, spec.local_cache_dir, run_dir=path, spec=spec, run_id=run_id) if remote
                   else _target(path, "run", ckpt_dir, run_dir=path, spec=spec, run_id=run_id))
         target.events, target.metrics = records.read_events(path), records.read_metrics(path)
         return target

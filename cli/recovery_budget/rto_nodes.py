@@ -8,7 +8,9 @@ last the node timeout before the leader judges it lost, then the leader waits
 for a relaunched launcher of that node rank (``--node-join-timeout`` bounds
 it; past ``node_joined`` events say how long it really took) — or, when the
 run keeps hot spares (``spare_joined`` events), promotes one at once, whose
-first attempt starts a fresh agent. One node: no change. Importable without torch.
+first attempt goes through the warm standby the spare kept while it waited —
+a restart like any other — or, with ``--no-standby``, a fresh agent. One node:
+no change. Importable without torch.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ def spread_verify(target: Target, verify: Component) -> Component:
 
 def node_loss(target: Target, time_fresh_launch: Callable[[], float] | None = None) -> dict[str, Any] | None:
     """How long a lost node adds: its detection, the wait for its replacement, and (replaced by a spare) the
-    spare's first attempt, which starts a fresh torchrun agent, not the warm standby a restart of a node
-    that lived uses: past promotions' restarts, else ``time_fresh_launch()`` (a no-op relaunch on that path,
-    measured now) + the restore + the script's set-up and first step."""
+    spare's first attempt: past promotions' restarts; else, through the standby the spare keeps warm, the
+    restart's own estimate (``restart`` None); without a standby ``time_fresh_launch()`` (a no-op relaunch
+    through a fresh agent, measured now) + the restore + the script's set-up and first step."""
     if node_count(target) == 1 or target.spec is None:
         return None
     detect_s = max(5.0, min(target.spec.heartbeat_timeout, NODE_TIMEOUT_CAP_S))
@@ -65,7 +67,7 @@ def node_loss(target: Target, time_fresh_launch: Callable[[], float] | None = No
             value = sorted(float(r["relaunch_to_first_step_s"]) for r in after)[len(after) // 2]
             restart = Component("restart", value, HISTORY, f"median of {len(after)} restart(s) after a spare took "
                                 "a lost node's rank").to_json()
-        elif time_fresh_launch is not None:
+        elif time_fresh_launch is not None and not target.spec.standby:
             launch = time_fresh_launch()
             restore, how, _ = restore_estimate(target, target.manifest.world_size)
             step, step_words = setup_and_first_step(target)

@@ -152,10 +152,11 @@ class AttemptProcess:
         unique = {p.pid: p for p in processes if p.pid != self.root.pid}
         return list(unique.values())
 
-    def teardown(self, grace: float, run_id: str, failed: bool = False, node: int | None = None,
+    def teardown(self, grace: float, run_id: str, failed: bool = False, node: int | Collection[str] | None = None,
                  spare: Collection[int] = ()) -> float:
         """SIGTERM the ranks and torchrun at once, wait up to ``grace``, SIGKILL the rest, sweep by run id
-        (and ``node``: only that node's workers, when several nodes share a host); returns seconds.
+        (and ``node``: only that node's workers, when several nodes share a host — or the node labels a
+        promoted spare's ranks carry); returns seconds.
 
         A ``failed`` attempt (a crash, a hang, a kill) has nothing left to save, and its survivors sit blocked
         in a collective waiting for the lost rank: they get :data:`FAILED_GRACE_S` at most, not the grace
@@ -224,16 +225,18 @@ def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Pr
     return alive
 
 
-def processes_of_run(run_id: str, node: int | None = None) -> list[psutil.Process]:
-    """Every live process whose environment carries this run's id, and ``node``'s rank when given (never
-    this process)."""
+def processes_of_run(run_id: str, node: int | Collection[str] | None = None) -> list[psutil.Process]:
+    """Every live process whose environment carries this run's id, and ``node``'s rank when given — or one
+    of the node labels given: a promoted spare's standby started before it had a node rank (never this
+    process)."""
+    labels = None if node is None else {str(node)} if isinstance(node, int) else set(node)
     found = []
     for process in psutil.process_iter():
         if process.pid == os.getpid():
             continue
         try:
             environ = process.environ()
-            if environ.get(RUN_ID_VARIABLE) != run_id or (node is not None and environ.get(NODE_VARIABLE) != str(node)):
+            if environ.get(RUN_ID_VARIABLE) != run_id or (labels is not None and environ.get(NODE_VARIABLE) not in labels):
                 continue
             if process.status() != psutil.STATUS_ZOMBIE:
                 found.append(process)

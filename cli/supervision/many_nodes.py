@@ -8,9 +8,9 @@ never wait on a large verify to connect. Every other node must read the same
 token from *its* checkpoint directory — the directory must be one storage
 everywhere — or is refused (exit 2). The others join within the start-up
 allowance: they read the leader's ``run.json`` from the shared run dir and
-run its spec as node ``k``. A node-local ``--local-cache`` is refused: the
-leader's restore copy would not exist on the other hosts. torch is imported
-(for the store) only here.
+run its spec as node ``k``, with their own ``--memory-dir``, ``--local-cache``
+(a cache of the node's own ranks' files: :mod:`ckptrun.runtime.checkpoint.node_cache`)
+and ``--local-addr``. torch is imported (for the store) only here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 from ckptrun.cli.errors import EXIT_REFUSED, EXIT_REQUEUE, CkptrunError
 from ckptrun.cli.supervision import spares
+from ckptrun.cli.supervision.attempt import NODE_VARIABLE, RUN_ID_VARIABLE
 from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
 from ckptrun.cli.supervision.node_env import NodeSettings
 from ckptrun.cli.supervision.node_world import NodePaths
@@ -32,6 +33,7 @@ from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock
 from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _refuse_used_store, ckpt_dir_of, next_attempt,
                                             supervise_run)
+from ckptrun.cli.supervision.standby import StandbyKeeper
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.supervision.world import Estimator
 from ckptrun.runtime import records
@@ -39,15 +41,11 @@ from ckptrun.runtime.storage.ckpt_url import merge_options
 
 TOKEN_NAME = ".ckptrun-storage-token"  # in the checkpoint dir: every node must read what the leader wrote
 JOIN_POLL_S = 0.5
+NODE_CACHE_FILE = "local-cache"  # in a node's dir: the --local-cache its launch named, for a resume
 
 
 def start_nodes(spec: LaunchSpec, settings: NodeSettings, argv: list[str], as_json: bool, estimator: Estimator) -> int:
     """``ckptrun launch --nnodes N``: the leader creates the run, the others join it."""
-    if spec.cache_dir is not None:
-        raise CkptrunError(f"--local-cache {spec.cache_dir} with --nnodes {settings.nnodes}: a node-local cache is "
-                           "not seen by the other nodes (the leader's restore copy would be missing on theirs)",
-                           "leave --local-cache out on many nodes: snapshots then stage in RUN_DIR/staging, on the "
-                           "run dir every node shares")
     run_dir = spec.run_dir or RUNS_ROOT / str(settings.job_id)
     paths = NodePaths(run_dir, node=settings.node_rank)
     if settings.leader:
@@ -69,8 +67,20 @@ def start_spare(spec: LaunchSpec, settings: NodeSettings, argv: list[str], as_js
     def say(line: str) -> None:
         print(f"ckptrun: {line}", file=sys.stderr, flush=True)
 
-    spare, node, verdict = spares.wait_for_promotion(job, run_dir, say)
+    run_id = str(settings.job_id)
+    keeper = StandbyKeeper(spec.standby, run_id, run_dir / spares.SPARES_DIR / "standby.log", lambda *_, **__: None,
+                           warm=spec.forks_ranks)
+
+    def keep_warm(spare: int) -> None:  # the first attempt's agent, past its imports while the spare waits
+        keeper.prepare({RUN_ID_VARIABLE: run_id, NODE_VARIABLE: spares.standby_label(spare)})
+
+    try:
+        spare, node, verdict = spares.wait_for_promotion(job, run_dir, say, keep_warm)
+    except BaseException:
+        keeper.close()
+        raise
     if node is None:
+        keeper.close()
         if verdict is None:
             raise CkptrunError(f"spare {spare}: lost the job's leader (node 0) while waiting", "nothing ran here: "
                                "start the spare again with the job", EXIT_REQUEUE)
@@ -78,7 +88,8 @@ def start_spare(spec: LaunchSpec, settings: NodeSettings, argv: list[str], as_js
         return int(verdict["code"])
     say(f"spare {spare}: promoted to node rank {node}")
     settings = dataclasses.replace(settings, node_rank=node, spare=spare)
-    return _node_run(NodePaths(run_dir, node=node), settings, argv, as_json, estimator, spec=spec, job=job)
+    return _node_run(NodePaths(run_dir, node=node), settings, argv, as_json, estimator, spec=spec, job=job,
+                     standby=keeper)
 
 
 def _spare_holding(settings: NodeSettings) -> int | None:
@@ -100,7 +111,8 @@ def resume_nodes(run_dir: Path, settings: NodeSettings, overrides: dict[str, Any
 
 
 def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json: bool, estimator: Estimator,
-              spec: LaunchSpec | None, overrides: dict[str, Any] | None = None, job: JobStore | None = None) -> int:
+              spec: LaunchSpec | None, overrides: dict[str, Any] | None = None, job: JobStore | None = None,
+              standby: StandbyKeeper | None = None) -> int:
     paths.node_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(paths):
         if settings.leader:
@@ -122,11 +134,25 @@ def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json
             # --memory-dir names this node's own memory (the leader's run.json holds the leader's): a resume, which
             # takes no --memory-dir, uses the node's default one
             record.spec.node_memory_dir = own.node_memory_dir if spec is not None else None
+            record.spec.cache_dir = _own_cache(paths, own.cache_dir if spec is not None else None, resumed=spec is None)
             record.spec.local_addr = own.local_addr  # this node's address, never the leader's
             first, resume = 1, None
         record.spec.node_rank = settings.node_rank
         return supervise_run(record, paths, first, resume, as_json, estimator=estimator, settings=settings,
-                             store=job)
+                             store=job, standby=standby)
+
+
+def _own_cache(paths: NodePaths, given: Path | None, resumed: bool) -> Path | None:
+    """This node's ``--local-cache`` (the leader's run.json holds the leader's): the one its launch named,
+    recorded in its node dir for a resume, which takes no --local-cache (none recorded: no cache here)."""
+    recorded = paths.node_dir / NODE_CACHE_FILE
+    if resumed:
+        return Path(recorded.read_text()) if recorded.exists() else None
+    if given is not None:
+        recorded.write_text(str(given.resolve()))
+    else:
+        recorded.unlink(missing_ok=True)
+    return given.resolve() if given is not None else None
 
 
 def with_own_secrets(record: RunRecord, own: LaunchSpec) -> RunRecord:
@@ -175,7 +201,8 @@ def _publish_token(job: JobStore, record: RunRecord, paths: NodePaths) -> None:
 
 def _pick_snapshot(paths: NodePaths, settings: NodeSettings, record: RunRecord, argv: list[str]) -> tuple[int, Snapshot]:
     """A resume's snapshot, as ``resume_run`` picks it (the store's newest for an object-store run)."""
-    snapshot = _newest(ckpt_dir_of(record.spec, paths.root), record.spec, paths.root, record.run_id)
+    snapshot = _newest(record.spec.node_cache_dir or ckpt_dir_of(record.spec, paths.root), record.spec, paths.root,
+                       record.run_id)  # a node's cache: this node's files there, the rest downloaded into it
     first = next_attempt(paths.root)
     records.log_event(paths.root, "resume", attempt=first, snapshot=str(snapshot.path), snapshot_step=snapshot.step,
                       argv=argv, forked=False, nnodes=settings.nnodes)

@@ -224,17 +224,21 @@ class MemoryDir:
                 if _unusable(e.path, lineage, run_id) is None and verify_snapshot(e.path, at_load=True).ok]
 
     def use_step(self, step: int | None, why: str, event: Callable[..., None], say: Callable[[str], None],
-                 durable: Snapshot | None = None, peer: dict[str, int] | None = None) -> Snapshot | None:
+                 durable: Snapshot | None = None, peer: dict[str, int] | None = None,
+                 durable_told: bool = False) -> Snapshot | None:
         """Many nodes: the step the leader chose for every node (None: durable), from this node's directory;
         ``peer`` ({"from": node, "bytes": n}): this node has no copy of that step, and its ranks fetch their
         shards from that node's replica before they load (tier ``peer-memory``). The memory snapshots and
-        replicas newer than the choice go (a future the restart will not replay)."""
+        replicas newer than the choice go (a future the restart will not replay). ``durable_told``: this
+        node's durable restore has its own ``restore_source`` (an object store's choice): none here then."""
         if self.path is None:
             return durable
         self._drop_newer(step if step is not None else durable.step if durable is not None else -1)
         chosen = Snapshot(self.path / store.snapshot_name(step), step) if step is not None else durable
         tier = ("peer-memory" if peer else "memory") if step is not None else _tier(durable)
         fetched = {"peer": peer["from"], "bytes_moved": peer.get("bytes")} if peer else {}
+        if step is None and durable_told:
+            return chosen
         event("restore_source", tier=tier, snapshot=str(chosen.path) if chosen else None,
               step=chosen.step if chosen else None, reason=why, skipped=[],
               durable_bytes_read=0 if step is not None else None, **fetched)

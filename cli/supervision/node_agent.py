@@ -289,9 +289,14 @@ class NodeJob:
                     held = f"fetched from node {peer['from']}'s replica" if peer else "held by every node"
                     resume = self.world.memory.use_step(int(snap["step"]), f"the leader chose memory step {snap['step']}, "
                                                         + held, self.world.event, self.world.say, peer=peer)
-                elif int(record["attempt"]) > 1 and self.world.memory.path is not None:
-                    self.world.memory.use_step(None, "the leader chose the durable snapshot", self.world.event,
-                                               self.world.say, resume)
+                else:  # durable; with --local-cache on many nodes, this node's own copy: its files from its
+                    # cache, the others' downloaded (its own restore_source)
+                    own = bool(snap) and self.world.spec.node_cache_dir is not None and self.world.source.remote is not None
+                    if int(record["attempt"]) > 1 and self.world.memory.path is not None:
+                        self.world.memory.use_step(None, "the leader chose the durable snapshot", self.world.event,
+                                                   self.world.say, resume, durable_told=own)
+                    if own:
+                        resume = self.world.source.own_copy(str(snap["digest"]), int(snap["step"])) or resume
                 self.world.active = [int(n) for n in record["nodes"]]
                 return int(record["attempt"]), resume
             self._call(self.job.beat, self.world.node, attempt=after_attempt, state="waiting")

@@ -27,7 +27,7 @@ from ckptrun.cli.supervision.node_env import NodeSettings
 from ckptrun.cli.supervision.node_verify import choose
 from ckptrun.cli.supervision.observation import Observation, Snapshot
 from ckptrun.cli.supervision.rundir import RunPaths
-from ckptrun.cli.supervision.spares import SpareBench
+from ckptrun.cli.supervision.spares import SpareBench, standby_label
 from ckptrun.cli.supervision.world import LocalWorld
 from ckptrun.runtime import records
 from ckptrun.runtime.env import RunEnv
@@ -193,7 +193,8 @@ class NodeWorld(LocalWorld):
         if self.resumed_from_memory and self.attempt_events("restore_failed"):
             return self.memory.use_step(None, "the last memory restore did not load on every node (its ranks were "
                                         "placed on other nodes? see --local-addr, or a replica failed its digests "
-                                        "on the way): durable", self.event, self.say, durable)
+                                        "on the way): durable", self.event, self.say, durable,
+                                        durable_told=self.source.remote is not None)
         best, fetch = newest_in_memory(own, replicas, floor)
         without = sorted(node for node, steps in own.items() if best is None and not any(s > floor for s in steps))
         from_peers = "".join(f", node {n} from node {p['from']}'s replica" for n, p in sorted(fetch.items()))
@@ -202,7 +203,8 @@ class NodeWorld(LocalWorld):
                f"no memory step newer than the durable step {floor} is held by every node"
                + (f" (none on node(s) {', '.join(map(str, without))})" if without else ""))
         self.memory_fetch = fetch
-        return self.memory.use_step(best, why, self.event, self.say, durable, fetch.get(self.node))
+        return self.memory.use_step(best, why, self.event, self.say, durable, fetch.get(self.node),
+                                    durable_told=self.source.remote is not None)  # a store's choice is an event
 
     def memory_holdings(self) -> tuple[dict[int, list[int]], dict[int, dict[int, dict[int, int]]]]:
         """The usable memory steps of every node of the attempt, and the replicas each holds of the others'
@@ -251,7 +253,8 @@ class NodeWorld(LocalWorld):
     def teardown(self, failed: bool = False) -> float:
         """This node's tree only: the sweep matches (run id, node), not other nodes' ranks on a shared host."""
         process = self._process()
-        seconds = process.teardown(self.spec.grace_period, self.run_id, failed, node=self.node,
+        labels = {str(self.node)} | ({standby_label(self.settings.spare)} if self.settings.spare is not None else set())
+        seconds = process.teardown(self.spec.grace_period, self.run_id, failed, node=labels,
                                    spare=self.standby.waiting_pids())
         self._link_rank_logs()
         self._stop_rank_output()

@@ -33,6 +33,7 @@ from ckptrun.cli.supervision.recovery import RecoveryOptions
 from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock, RunPaths, default_name, holder, unique_run_dir
 from ckptrun.cli.supervision import script_args
 from ckptrun.cli.supervision.spec import RUN_JSON, LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
+from ckptrun.cli.supervision.standby import StandbyKeeper
 from ckptrun.cli.supervision.supervisor import Supervisor
 from ckptrun.cli.supervision.world import Estimator, LocalWorld
 from ckptrun.runtime import records
@@ -45,7 +46,7 @@ from ckptrun.runtime.checkpoint.verify import newest_verified, verify_snapshot
 
 def ckpt_dir_of(spec: LaunchSpec, run_dir: Path) -> Path:
     """The local snapshot dir: --ckpt-dir, or a store run's local copies (--local-cache, else RUN_DIR/staging)."""
-    return store_location.local_dir(spec.store_url, spec.cache_dir, spec.ckpt_dir, run_dir)
+    return store_location.local_dir(spec.store_url, spec.local_cache_dir, spec.ckpt_dir, run_dir)
 
 
 # --- launch ---------------------------------------------------------------------
@@ -232,14 +233,17 @@ def _from_source(ckpt_dir: Path, source: str) -> Snapshot:
 
 def supervise_run(record: RunRecord, paths: RunPaths, first_attempt: int, resume: Snapshot | None,
                   as_json: bool = False, *, estimator: Estimator, settings: NodeSettings | None = None,
-                  store: JobStore | None = None) -> int:
+                  store: JobStore | None = None, standby: StandbyKeeper | None = None) -> int:
     """Run the supervisor with signal handlers installed; report its outcome; clean the stop channel.
 
     One epilogue for one node and for many: with ``settings`` and ``store`` (the job's store) this launcher
-    is one node of a multi-node job, and only the leader owns the shared stop file."""
+    is one node of a multi-node job, and only the leader owns the shared stop file. ``standby``: a promoted
+    spare's, warm since it joined, for the first attempt."""
     spec = record.spec
     progress = Progress(out=sys.stderr if as_json else sys.stdout)  # stdout holds only the JSON document then
     world = _world(record, paths, progress, resume, estimator, settings, store)
+    if standby is not None:
+        world.standby.take_over(standby)
     stop = StopControl(stop_at=(time.time() + max(0.0, spec.time_limit - spec.grace_period)) if spec.time_limit else None)
     policy = RestartPolicy(spec.max_restarts, spec.max_stalled_restarts, spec.restart_backoff, spec.restart_backoff_cap)
     timeouts = Timeouts(spec.heartbeat_timeout, spec.startup_timeout, spec.save_timeout, spec.grace_period)

@@ -46,8 +46,9 @@ class SnapshotSource:
     """The supervisor's choice of snapshot, and what it does to one that failed."""
 
     def __init__(self, ckpt_dir: Path, remote: FsspecStore | None, say: Callable[[str], None],
-                 event: Callable[..., None], retry: Retry = Retry()) -> None:
+                 event: Callable[..., None], retry: Retry = Retry(), cache: Path | None = None) -> None:
         self.ckpt_dir, self.remote, self.say, self.event, self.retry = ckpt_dir, remote, say, event, retry
+        self.cache = cache or ckpt_dir  # where a store's snapshot is restored from or into: on many nodes, the node's
         self.refused: set[str] = set()  # manifest digests of snapshots that did not load
         self.refetched: set[str] = set()  # digests whose damaged local copy was set aside for a fresh download
         self.chosen: dict[str, Choice] = {}  # the store choices handed to attempts, by local path
@@ -58,13 +59,27 @@ class SnapshotSource:
             report = newest_verified(self.ckpt_dir, log=self.say, at_load=True)
             return Snapshot(report.path, report.step, time.monotonic() - started) if report else None
         try:
-            choice = choose(self.remote, self.ckpt_dir, self.say, self.refused, self.retry, at_load=True)
+            choice = choose(self.remote, self.cache, self.say, self.refused, self.retry, at_load=True)
         except Exception as exc:  # noqa: BLE001 - listing or downloading failed after retries: unknown, not none
             raise self._unavailable(exc) from exc
         if choice is None:
             return None
         self.event("restore_source", **choice.event_fields())
         self.chosen[str(choice.path)] = choice
+        return Snapshot(choice.path, choice.step, time.monotonic() - started)
+
+    def own_copy(self, digest: str, step: int) -> Snapshot | None:
+        """The store snapshot another node's leader chose (by manifest digest), as this node's own copy: its
+        cache's files, the rest downloaded and hashed (``restore_source``); None when it cannot be had."""
+        started = time.monotonic()
+        try:
+            choice = choose(self.remote, self.cache, self.say, retry=self.retry, at_load=True, digest=digest)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - the ranks then fail to load it, and the leader decides
+            self.say(f"cannot fetch step {step} from the store: {describe(exc)}")
+            return None
+        if choice is None:
+            return None
+        self.event("restore_source", **choice.event_fields())
         return Snapshot(choice.path, choice.step, time.monotonic() - started)
 
     def newest_step(self) -> int | None:

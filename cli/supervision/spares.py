@@ -13,8 +13,12 @@ as a spare in turn (:func:`held_by_spare`). A spare is live while its beat chang
 (no clock agreement between hosts, as for nodes); ``RUN_DIR/spares/spare-<s>.json`` names each waiting
 spare for ``ckptrun status``.
 
-What a spare does not do yet: keep a warm standby agent (its first attempt starts torchrun cold, ~1-2 s
-more than a warm restart), or take part in an elastic shrink (a spare only ever restores a lost node's rank).
+While it waits, a spare keeps a warm standby agent (:mod:`~ckptrun.cli.supervision.standby`, past its
+imports of torchrun and the runtime), so that its first attempt as node *k* starts as a warm restart
+does. The standby is started before the spare has a node rank: its environment (which the ranks it forks
+show in ``/proc``) names the node ``spare-<s>`` (:func:`standby_label`), a label the node's teardown
+sweeps too. What a spare does not do: take part in an elastic shrink (a spare only ever restores a lost
+node's rank).
 """
 
 from __future__ import annotations
@@ -96,6 +100,11 @@ class SpareBench:
         return None
 
 
+def standby_label(spare: int) -> str:
+    """The node label a spare's standby (and the ranks it forks) carries: the sweep's match for them."""
+    return f"spare-{spare}"
+
+
 def held_by_spare(job: JobStore, node: int) -> int | None:
     """The spare that holds node rank ``node`` now (it was promoted to it), or None."""
     record = job.node(node) or {}
@@ -103,11 +112,14 @@ def held_by_spare(job: JobStore, node: int) -> int | None:
     return int(spare) if spare is not None else None
 
 
-def wait_for_promotion(job: JobStore, run_dir: Path, say: Callable[[str], None]) -> tuple[int, int | None, dict[str, Any] | None]:
-    """Join as a spare and beat until the leader promotes this launcher (returns (spare, node, None)) or the
-    job ends ((spare, None, verdict); a verdict of None: the leader is gone)."""
+def wait_for_promotion(job: JobStore, run_dir: Path, say: Callable[[str], None],
+                       joined: Callable[[int], None] = lambda _: None) -> tuple[int, int | None, dict[str, Any] | None]:
+    """Join as a spare (``joined(spare)`` then: start what waits warm) and beat until the leader promotes this
+    launcher (returns (spare, node, None)) or the job ends ((spare, None, verdict); a verdict of None: the
+    leader is gone)."""
     host = socket.gethostname()
     spare = job.join_spare(host=host)
+    joined(spare)
     holder = holder_file(run_dir, spare)
     holder.parent.mkdir(parents=True, exist_ok=True)
     holder.write_text(json.dumps({"spare": spare, "pid": os.getpid(), "host": host, "time": time.time()}))

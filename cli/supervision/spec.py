@@ -54,7 +54,7 @@ NOT_OPTIONS = frozenset({
     "resume_from", "save_interval_cap_seconds", "memory_dir", "memory_fetch", "node", "restart",  # the world's, per attempt
     "save_every_auto", "mtbf_seconds", "heartbeat_interval", "fault",  # from save_every, mtbf, heartbeat_timeout, inject_fault
     "loss_scale_init", "loss_scale_growth_interval", "exit_after_restore", "preflight", "preflight_steps",  # tools, tests
-    "ckpt_url", "local_cache", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option (store_location)
+    "ckpt_url", "local_cache", "node_cache_dir", "storage_options",  # from --ckpt-dir URL, --local-cache, --storage-option
     "debug",  # the global --debug of the launcher
     "init_weights_sha256",  # the launch hashes --init-weights (LaunchSpec's own field, kept in run.json)
 })
@@ -233,6 +233,17 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
         return int(self.nproc_per_node) * int(self.nnodes.split(":")[-1]) if self.nproc_per_node.isdigit() else None
 
     @property
+    def node_cache_dir(self) -> Path | None:
+        """``--local-cache`` on many nodes: each node's own cache of its ranks' files of every snapshot, which
+        stages in the shared ``RUN_DIR/staging``; None on one node, where it is the local snapshot dir itself."""
+        return self.cache_dir if self.store_url and int(self.nnodes.split(":")[-1]) > 1 else None
+
+    @property
+    def local_cache_dir(self) -> Path | None:
+        """``--local-cache`` as the run's local snapshot dir (one node)."""
+        return self.cache_dir if self.node_cache_dir is None else None
+
+    @property
     def forks_ranks(self) -> bool:
         """Whether an attempt's ranks are forked from the agent (warm): ``--warm-workers`` and a numeric
         ``--nproc-per-node`` (for gpu/auto, torchrun probes devices first)."""
@@ -253,7 +264,8 @@ class LaunchSpec(WorkerPolicy):  # type: ignore[misc,valid-type]
             # the check compares every replayed step with the original's line, and a crash takes the lines the
             # ranks had not shared yet: an exact-resume run shares every step (N given explicitly is kept)
             same["decision_every_steps"] = 1
-        return {**same, **store_location.worker_fields(self.store_url, self.cache_dir, merge_options(self.store_options, self.store_secrets)),
+        return {**same, **store_location.worker_fields(self.store_url, self.local_cache_dir, merge_options(self.store_options, self.store_secrets)),
+                "node_cache_dir": self.node_cache_dir,
                 "fault": self.inject_fault, "mtbf_seconds": self.mtbf,
                 "save_every_auto": self.save_every == "auto", "heartbeat_interval": self.heartbeat_interval}
 

@@ -109,6 +109,13 @@ class StandbyKeeper:
             env.update({**identity, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED") or "1"})
             self.standby = Standby(env, self.log, self.run_id, warm=self.warm)
 
+    def take_over(self, earlier: "StandbyKeeper") -> None:
+        """Use the standby another keeper started (a promoted spare's, warm since the spare joined) for the next
+        launch; one that would fork its ranks otherwise than this run does is dismissed."""
+        if self.enabled and self.standby is None and earlier.standby is not None and earlier.warm == self.warm:
+            self.standby, earlier.standby = earlier.standby, None
+        earlier.close()
+
     def waiting_pids(self) -> set[int]:
         """The standby waiting for the next attempt: an attempt's teardown must not sweep it."""
         return {self.standby.pid} if self.standby is not None else set()

@@ -100,7 +100,7 @@ class LocalWorld:
     def __init__(self, spec: LaunchSpec, run_id: str, paths: RunPaths, ckpt_dir: Path, target: list[str],
                  progress: Progress, restored_step: int | None = None, estimator: Estimator | None = None) -> None:
         self.spec, self.run_id, self.paths, self.ckpt_dir = spec, run_id, paths, ckpt_dir
-        self.source = SnapshotSource(ckpt_dir, store_of(spec, run_id), self.say, self.event)  # local dir or object store
+        self.source = SnapshotSource(ckpt_dir, store_of(spec, run_id), self.say, self.event, cache=spec.node_cache_dir)
         self.estimator = estimator  # None: no RTO estimate and no auto-save cap (unit tests of the world)
         self.target, self.progress = target, progress
         self.attempt = 0

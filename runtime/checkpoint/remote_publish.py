@@ -12,7 +12,9 @@ A kill at any moment before the commit leaves a prefix without a manifest,
 which does not exist for restore and is collected later as garbage.
 
 Without ``--local-cache`` the local directory is staging only: once the
-commit is written its snapshots are deleted (the store holds them).
+commit is written its snapshots are deleted (the store holds them). On many
+nodes ``--local-cache`` is each node's own: every rank copies its files there
+as it uploads them (:mod:`node_cache`), published once the commit is known.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ckptrun.runtime import collectives
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.manifest import Manifest, read_manifest
 from ckptrun.runtime.storage.remote_store import FsspecStore
+from ckptrun.runtime.checkpoint.node_cache import NodeCache
 from ckptrun.runtime.checkpoint.snapshot import SaveResult
 from ckptrun.runtime.storage.store_backend import LocalStore
 from ckptrun.runtime.storage.transfer import Retry, copy_files, describe
@@ -39,19 +42,22 @@ def _log(line: str) -> None:
 
 
 def upload(result: SaveResult, temp_dir: Path, remote: FsspecStore, keep_local: bool, fault: Callable[[str], None],
-           group: Any = None, retry: Retry = Retry()) -> SaveResult:
-    """Upload a locally published snapshot and commit it; every rank gets the same result."""
+           group: Any = None, retry: Retry = Retry(), cache: NodeCache | None = None) -> SaveResult:
+    """Upload a locally published snapshot and commit it; every rank gets the same result. ``cache`` (many
+    nodes, ``--local-cache``): each rank keeps its own files in its node's cache too."""
     started = time.monotonic()
     rank = collectives.rank()
     shared = (remote.open_new(result.step), read_manifest(result.path).to_json()) if rank == 0 else None  # type: ignore[arg-type]
     name, text = collectives.broadcast_object(shared, group=group)
     manifest = Manifest.model_validate_json(text)
-    error = _upload_own(result.path, temp_dir, remote, name, manifest, rank, fault, retry)  # type: ignore[arg-type]
+    error = _upload_own(result.path, temp_dir, remote, name, manifest, rank, fault, retry, cache)  # type: ignore[arg-type]
     errors = [e for e in collectives.all_gather_object(error, group=group) if e]
     if not errors:
         fault("before-commit")
     verdict = _commit(result.path, remote, name, manifest, keep_local, errors, retry) if rank == 0 else None  # type: ignore[arg-type]
     verdict = collectives.broadcast_object(verdict, group=group)
+    if cache is not None:
+        _best_effort(lambda: cache.settle(name, manifest, committed=verdict is None))
     seconds = time.monotonic() - started
     if verdict is not None:
         return replace(result, ok=False, error=verdict, path=None, upload_s=seconds)
@@ -59,8 +65,9 @@ def upload(result: SaveResult, temp_dir: Path, remote: FsspecStore, keep_local: 
 
 
 def _upload_own(published: Path, temp_dir: Path, remote: FsspecStore, name: str, manifest: Manifest, rank: int,
-                fault: Callable[[str], None], retry: Retry) -> str | None:
-    """Stream this rank's files (from the published directory, or the temp dir on a node that did not publish)."""
+                fault: Callable[[str], None], retry: Retry, cache: NodeCache | None) -> str | None:
+    """Stream this rank's files (from the published directory, or the temp dir on a node that did not publish),
+    and copy them into the node's cache (a copy that fails costs the cache that snapshot, not the save)."""
     mine = [entry for entry in manifest.files if (entry.rank or 0) == rank]
     source = published if all((published / e.path).exists() for e in mine) else temp_dir
     try:
@@ -68,6 +75,8 @@ def _upload_own(published: Path, temp_dir: Path, remote: FsspecStore, name: str,
         copy_files(LocalStore(source.parent), source.name, remote, name, mine, retry, UPLOAD_THREADS, _log)
     except Exception as exc:  # noqa: BLE001 - any storage failure is this save's failure
         return f"rank {rank}: uploading {store.snapshot_name(manifest.step)} to {remote.location(name)} failed: {describe(exc)}"
+    if cache is not None:
+        _best_effort(lambda: cache.keep_own(source, name, mine))
     return None
 
 

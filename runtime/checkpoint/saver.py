@@ -35,6 +35,7 @@ import torch
 from ckptrun.runtime import collectives, hashing
 from ckptrun.runtime.checkpoint import pacing
 from ckptrun.runtime.storage import store
+from ckptrun.runtime.checkpoint.node_cache import NodeCache
 from ckptrun.runtime.checkpoint.remote_publish import evict_staging, upload
 from ckptrun.runtime.checkpoint.replicas import compare, digests
 from ckptrun.runtime.storage.remote_store import FsspecStore
@@ -77,10 +78,11 @@ class Saver:
 
     def __init__(self, ckpt_dir: Path, algorithm: str, asynchronous: bool, overlap: str = "wait",
                  remote: FsspecStore | None = None, keep_local: bool = True, nice: int | None = None,
-                 duty: float | None = None, group: Any = None) -> None:
+                 duty: float | None = None, group: Any = None, node_cache: NodeCache | None = None) -> None:
         self.ckpt_dir, self.algorithm, self.asynchronous, self.overlap = ckpt_dir, algorithm, asynchronous, overlap
         self.duty = WRITER_DUTY if duty is None else duty  # background writer only; ``nice`` likewise
         self.remote, self.keep_local = remote, keep_local  # an object store: each save is uploaded after its local publish
+        self.node_cache = node_cache  # many nodes, --local-cache: this node's own files of each upload, kept
         self.group = group if group is not None else collectives.new_group()  # ``group``: a node's own snapshots
         self.stager = Stager()
         self.owned = OwnedKeys()
@@ -144,7 +146,7 @@ class Saver:
             result = replace(persisted, stall_s=stall, waited_s=waited, asynchronous=self.asynchronous,
                              staging_allocated_bytes=allocated, rss_after_stage_bytes=rss)
             if result.ok and self.remote is not None:
-                result = upload(result, temp_dir, self.remote, self.keep_local, fault, self.group)
+                result = upload(result, temp_dir, self.remote, self.keep_local, fault, self.group, cache=self.node_cache)
             fault("done")
             if result.ok:
                 self.last_bytes = result.bytes

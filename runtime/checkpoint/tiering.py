@@ -17,7 +17,10 @@ that snapshot and the previous one is tried. A storage error (after retries)
 is not a mismatch: the listing or the download raises
 :class:`~ckptrun.runtime.storage.transfer.StoreUnavailable` instead of falling back to
 an older snapshot or to none, which would restart training off the line.
-Either way the workers then load a local directory, as in a local run.
+A node's cache on many nodes holds only its own ranks' files of each snapshot
+(:mod:`node_cache`): the files it lacks are downloaded into it first, hashed as
+they stream, and the copy is then used as any local copy. Either way the workers
+then load a local directory, as in a local run.
 Importable without torch.
 """
 
@@ -32,6 +35,7 @@ from typing import Callable
 from ckptrun.runtime.storage.remote_store import FsspecStore, Prefix
 from ckptrun.runtime.storage.store_backend import LocalStore, Published
 from ckptrun.runtime.storage.transfer import MismatchError, Retry, StoreUnavailable, copy_snapshot, describe
+from ckptrun.runtime.checkpoint.node_cache import absent, fill
 from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
 LOCAL, REMOTE = "local-cache", "remote"
@@ -49,10 +53,12 @@ class Choice:
     digest: str  # manifest digest: names the snapshot whichever copy is loaded
     seconds: float  # choosing, verifying and (for REMOTE) downloading
     bytes: int
+    downloaded: int = 0  # bytes read from the store: all of them (REMOTE), the files a node's cache lacked (LOCAL)
 
     def event_fields(self) -> dict[str, object]:
         return {"source": self.source, "reason": self.reason, "snapshot": str(self.path), "remote": self.remote,
-                "step": self.step, "seconds": self.seconds, "bytes": self.bytes}
+                "step": self.step, "seconds": self.seconds, "bytes": self.bytes,
+                "tier": "local-cache" if self.source == LOCAL else "durable", "durable_bytes_read": self.downloaded}
 
 
 def size_problems(snapshot: Published, prefix: Prefix | None) -> list[str]:
@@ -87,24 +93,28 @@ def listed_candidates(remote: FsspecStore, skip: frozenset[str] | set[str] = fro
 
 def choose(remote: FsspecStore, cache: Path, log: Callable[[str], None] = lambda _: None,
            skip: frozenset[str] | set[str] = frozenset(), retry: Retry = Retry(), threads: int = 8,
-           at_load: bool = False) -> Choice | None:
+           at_load: bool = False, digest: str | None = None) -> Choice | None:
     """The newest snapshot of the current line that verifies, as a local directory, saying why newer ones were
     skipped. None only when the line has no committed snapshot that verifies; :class:`StoreUnavailable` when
     the store fails (listing, or downloading the candidate). ``at_load``: the caller loads the choice, which
-    hashes a chunked snapshot's bytes as it reads them, so a local copy is checked by manifest and sizes."""
+    hashes a chunked snapshot's bytes as it reads them, so a local copy is checked by manifest and sizes.
+    ``digest``: that snapshot only (another node's leader chose it). A node's cache that holds some files
+    of the snapshot (its own ranks', :mod:`node_cache`) is filled with the rest from the store."""
     local = LocalStore(cache)
     candidates, listing = listed_candidates(remote, skip, retry, log)
-    for snapshot in candidates:
+    for snapshot in (c for c in candidates if digest is None or c.digest == digest):
         started = time.monotonic()
         where = remote.location(snapshot.name)
         problems = size_problems(snapshot, listing.get(snapshot.name))
         if problems:
             log(f"skipping {where}: objects changed after its manifest ({'; '.join(problems[:3])})")
             continue
+        filled = _fill_partial(remote, local, snapshot, retry, threads, log)
         copy, why = _local_copy(local, snapshot, log, at_load)
         if copy is not None:
-            return Choice(copy, snapshot.step, LOCAL, why, where, snapshot.digest, time.monotonic() - started,
-                          snapshot.manifest.total_bytes)
+            return Choice(copy, snapshot.step, LOCAL, why + (f"; {filled} bytes this node's cache lacked downloaded"
+                                                               if filled else ""), where, snapshot.digest,
+                          time.monotonic() - started, snapshot.manifest.total_bytes, filled)
         try:
             fetched = copy_snapshot(remote, snapshot, local, retry, threads, log)
         except MismatchError as exc:
@@ -115,8 +125,26 @@ def choose(remote: FsspecStore, cache: Path, log: Callable[[str], None] = lambda
         seconds = time.monotonic() - started
         log(f"using {where}: {why}; downloaded and verified {snapshot.manifest.total_bytes} bytes in {seconds:.2f}s")
         return Choice(Path(fetched.where), snapshot.step, REMOTE, why, where, snapshot.digest, seconds,
-                      snapshot.manifest.total_bytes)
+                      snapshot.manifest.total_bytes, snapshot.manifest.total_bytes)
     return None
+
+
+def _fill_partial(remote: FsspecStore, local: LocalStore, snapshot: Published, retry: Retry, threads: int,
+                  log: Callable[[str], None]) -> int:
+    """A local copy that holds only some of the snapshot's files (a node's cache): download the others into
+    it, hashed as they stream; returns the bytes downloaded (0: no such copy, or one that fails to fill)."""
+    copy = local.find(snapshot.digest)
+    missing = absent(Path(copy.where), snapshot.manifest) if copy is not None else []
+    if copy is None or not missing or len(missing) == len(snapshot.manifest.files):
+        return 0
+    try:
+        filled = fill(remote, snapshot, Path(copy.where), missing, retry, threads, log)
+    except Exception as exc:  # noqa: BLE001 - a mismatch or a store error: the whole download decides next
+        log(f"filling the local copy {copy.where} from {remote.location(snapshot.name)} failed: {describe(exc)}")
+        return 0
+    log(f"local copy {copy.where}: {len(snapshot.manifest.files) - len(missing)} file(s) held here, "
+        f"{len(missing)} ({filled} bytes) downloaded and verified")
+    return filled
 
 
 def _local_copy(local: LocalStore, snapshot: Published, log: Callable[[str], None],

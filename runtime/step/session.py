@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ckptrun.runtime import collectives, records
 from ckptrun.runtime.checkpoint import plain_state
 from ckptrun.runtime.checkpoint.memory_tier import MemoryTier
+from ckptrun.runtime.checkpoint.node_cache import NodeCache
 from ckptrun.runtime.checkpoint.policies import AutoCadence, FailedSaves, Retention, SaveCadence
 from ckptrun.runtime.checkpoint.saver import Saver
 from ckptrun.runtime.checkpoint.wrappers import unwrap as _unwrap
@@ -97,7 +98,8 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
         self.heart = Heartbeater(self.run_dir, self.rank, env.attempt, env.heartbeat_interval)
         self.saver = Saver(self.ckpt_dir, env.hash_algorithm, env.async_save, env.save_overlap,
                            remote=open_store(env.ckpt_url, env.storage_options, env.run_id) if env.ckpt_url else None,
-                           keep_local=env.local_cache)
+                           keep_local=env.local_cache,
+                           node_cache=NodeCache.for_rank(env.node_cache_dir, env.keep_last, self.run_dir))
         self.memory = MemoryTier(env, self.run_dir)  # off unless the supervisor named a memory directory
         self.published: str | None = None
         self.save_budget_spent: str | None = None
