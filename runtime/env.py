@@ -89,6 +89,7 @@ class RunEnv(BaseModel):
     memory_every_steps: MemoryCadence = Field(0, description="A memory-tier snapshot every N steps (0: off; auto: the cadence that keeps its cost near 1% of training).")
     memory_keep: int = Field(2, ge=1, description="Memory-tier snapshots kept (each a full copy of the node's state in RAM, plus one being written).")
     memory_replicas: int | None = Field(None, ge=0, description="Many nodes: each node's memory snapshots are copied to this many other nodes (a ring), verified on receipt, so that a lost node restores from another node's memory (default: 1 with several nodes; 0: off).")
+    node_group: str | None = Field(None, description="Many nodes: this node's failure domain (a rack, a switch; --node-group, default from SLURM_TOPOLOGY_ADDR): memory replicas go to nodes of other groups first.")
     memory_fetch: dict[int, int] = Field(default_factory=dict, description="Many nodes, a restore from memory after a lost node: the nodes that fetch their shards of the resume step from a replica, and the node holding it (node -> holder).")
     async_save: bool = Field(True, description="Persist and publish in the background; the step waits only for staging.")
     save_overlap: Literal["wait", "skip"] = Field("wait", description="A save due while one is in flight waits for it, or is skipped.")

@@ -24,7 +24,7 @@ def test_run_env_round_trips_every_field() -> None:
         max_failed_saves=2, heartbeat_interval=0.25, seed=7, deterministic=False, threads=4,
         hash_algorithm="sha256", allow_changes=("lr", "batch_size"), fault="kill:rank=1:step=5",
         save_every_auto=True, mtbf_seconds=3600.0, save_interval_cap_seconds=0.1 + 0.7, preflight="resume",
-        preflight_steps=10, ckpt_url="s3://bucket/prefix", local_cache=True, node_cache_dir=Path("/scratch/cache"), storage_options='{"anon": false}',
+        preflight_steps=10, ckpt_url="s3://bucket/prefix", local_cache=True, node_cache_dir=Path("/scratch/cache"), node_group="rack-7", storage_options='{"anon": false}',
         memory_dir=Path("/dev/shm/ckptrun-r1-host"), memory_every_steps=4, memory_keep=3, node=1,
         memory_replicas=2, memory_fetch={1: 0, 3: 2},
         replica_check_every_steps=25, init_weights=Path("/weights/model.safetensors"), init_weights_sha256="ab" * 32,

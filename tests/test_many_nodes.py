@@ -190,8 +190,8 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
 def test_each_nodes_local_cache_keeps_its_own_files_and_a_restart_reads_them_there_exactly(
         tmp_path: Path, cleanup: Cleanup, s3, fsdp_reference: dict[int, float]) -> None:
     """Issue 25 item 4: FSDP2 on two nodes, snapshots in S3 every 5 steps (synchronous: step 15 is committed
-    before step 16 runs), each node its own --local-cache, and the memory tier every 3 steps (accepted with
-    the cache on many nodes). Each node's cache holds only its own rank's files of each snapshot, with the
+    before step 16 runs), each node its own --local-cache and --node-group, and the memory tier every 3 steps
+    (accepted with the cache on many nodes; replicas go to the other rack). Each node's cache holds only its own rank's files of each snapshot, with the
     whole manifest. Node 1's rank is killed after step 17: no memory step is newer than the durable step 15,
     so every node restores step 15 from its own cache and downloads only the files it lacks (restore_source
     tier local-cache, 0 < durable_bytes_read < the snapshot's bytes), and the losses equal the uninterrupted
@@ -202,8 +202,11 @@ def test_each_nodes_local_cache_keeps_its_own_files_and_a_restart_reads_them_the
     for node in (0, 1):
         pair.start(node, *pair.flags(node), *QUICK, "--ckpt-dir", url, "--local-cache", str(caches[node]), "--sync-save",
                    "--memory-every-steps", "3", "--memory-dir", str(tmp_path / f"ram-node{node}"),
-                   "--local-addr", f"127.0.0.{node + 1}", "--inject-fault", "kill:rank=1:step=17", *FSDP_JOB)
+                   "--local-addr", f"127.0.0.{node + 1}", "--node-group", f"rack-{'ab'[node]}",
+                   "--inject-fault", "kill:rank=1:step=17", *FSDP_JOB)
     assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
+    received = events(pair.run_dir, "replica_received")  # each node's memory snapshots, on the node of the other rack
+    assert {(e["node"], e["from_node"]) for e in received} == {(0, 1), (1, 0)}, received
     for node, cache in caches.items():
         copies = sorted(cache.glob("step-*"))
         assert [c.name for c in copies] == ["step-000000010", "step-000000015", "step-000000020"], (node, copies)
@@ -217,6 +220,21 @@ def test_each_nodes_local_cache_keeps_its_own_files_and_a_restart_reads_them_the
     assert all(0 < e["durable_bytes_read"] < e["bytes"] for e in sources), sources
     assert {Path(e["snapshot"]).parent for e in sources} == {caches[0], caches[1]}
     assert_losses_equal(pair.run_dir, fsdp_reference)
+
+
+@pytest.mark.timeout(300)
+def test_with_node_groups_each_nodes_memory_replica_goes_to_another_rack(tmp_path: Path, cleanup: Cleanup) -> None:
+    """Issue 25 item 2: three nodes, racks A (nodes 0, 1) and B (node 2), one replica each. The plain ring would
+    keep node 0's replica in rack A (on node 1); with --node-group every replica that can leave its rack does:
+    node 0's goes to node 2, node 2's to node 1, and node 1's (rack B holds one node) to node 0."""
+    pair = Pair(tmp_path, cleanup, "racks", nnodes="3")
+    for node, rack in enumerate("AAB"):
+        pair.start(node, *_memory_flags(pair, node, tmp_path, *NO_RESTART, "--node-group", f"rack-{rack}"), *FSDP_JOB)
+    codes = [pair.wait(node) for node in range(3)]
+    assert codes == [0, 0, 0], f"{codes}\n{pair.log(0)}\n{pair.log(2)}"
+    received = events(pair.run_dir, "replica_received")
+    assert {(e["node"], e["from_node"]) for e in received} == {(2, 0), (1, 2), (0, 1)}, received
+    assert all(e["verified"] for e in received)
 
 
 def _memory_flags(pair: Pair, node: int, root: Path, *extra: str) -> list[str]:

@@ -203,3 +203,24 @@ def test_a_local_cache_on_many_nodes_is_each_nodes_own_and_snapshots_stage_in_th
     assert (one.node_cache_dir, one.local_cache_dir, ckpt_dir_of(one, tmp_path / "run")) == \
         (None, tmp_path / "cache", tmp_path / "cache")
     assert (one.worker_policy()["node_cache_dir"], one.worker_policy()["local_cache"]) == (None, True)
+
+
+def test_each_node_keeps_its_own_cache_and_group_and_a_resume_finds_them_recorded(tmp_path) -> None:
+    """Issue 25 items 2 and 4: a node's --local-cache and --node-group are its own (the leader's run.json holds
+    the leader's); the group defaults to the leaf switch of Slurm's topology address; a resume, which takes
+    neither flag, reads what the node's launch recorded."""
+    from ckptrun.cli.supervision.many_nodes import _own_choices, topology_group
+    from ckptrun.cli.supervision.node_world import NodePaths
+    from ckptrun.cli.supervision.spec import build_spec
+
+    assert topology_group({"SLURM_TOPOLOGY_ADDR": "s0.s3.node17"}) == "s0.s3"
+    assert topology_group({"SLURM_TOPOLOGY_ADDR": "node17"}) is None and topology_group({}) is None
+    paths = NodePaths(tmp_path / "run", node=1)
+    paths.node_dir.mkdir(parents=True)
+    none = {"cache_dir": None, "node_group": None}
+    assert _own_choices(paths, None, none) == none, "a resume of a node that recorded nothing"
+    own = build_spec({"ckpt_dir": "memory://bucket/run", "cache_dir": tmp_path / "disk1", "nnodes": "2",
+                      "node_group": "rack-b"})
+    launched = _own_choices(paths, own, none)
+    assert launched == {"cache_dir": str((tmp_path / "disk1").resolve()), "node_group": "rack-b"}
+    assert _own_choices(paths, None, none) == launched

@@ -80,6 +80,23 @@ def test_the_ring_sends_each_node_to_the_next_r_nodes_and_its_leads_are_each_nod
     assert [Ring.of([0, 1, 2, 3], 2).targets(n) for n in (0, 3)] == [[1, 2], [0, 1]]
 
 
+def test_with_node_groups_replicas_leave_their_failure_domain_and_every_node_holds_as_many() -> None:
+    """Issue 25 item 2: --node-group names each node's failure domain (one entry per rank, as gathered). Racks
+    A = nodes 0, 1 and B = nodes 2, 3: the plain ring would send node 0's replica to node 1 in its own rack; the
+    ring interleaved by group sends every node's to the other rack, and each node still receives one."""
+    groups = ["A", "A", "A", "A", "B", "B", "B", "B"]  # two ranks per node
+    ring = Ring.of([0, 0, 1, 1, 2, 2, 3, 3], 1, groups)
+    assert [ring.targets(n) for n in range(4)] == [[2], [3], [1], [0]]
+    assert all(groups[ring.leads[t]] != groups[ring.leads[n]] for n in range(4) for t in ring.targets(n))
+    assert sorted(t for n in range(4) for t in ring.targets(n)) == [0, 1, 2, 3], "one replica held per node"
+    assert all(n in ring.targets(s) for n in range(4) for s in ring.sources(n)), "sources are the senders"
+    # a group of three and a lone node: what cannot leave the domain stays in it, still one replica each
+    uneven = Ring.of([0, 1, 2, 3], 1, ["A", "A", "A", "B"])
+    assert sorted(t for n in range(4) for t in uneven.targets(n)) == [0, 1, 2, 3]
+    assert uneven.targets(3) != [] and uneven.targets(3)[0] in (0, 1, 2) and uneven.targets(0) == [3]
+    assert Ring.of([0, 1, 2], 1, [None, None, None]).targets(0) == [1], "no groups: the plain ring"
+
+
 def test_the_restart_takes_the_newest_step_whose_every_shard_is_in_memory_somewhere() -> None:
     """Node 1 was lost (it holds nothing now): step 16 exists only as node 0's own copy, step 14 as node 0's copy
     and node 0's replica of node 1: 14 wins, node 1 fetching from node 0. With node 1's own copies, 16 wins with no

@@ -83,6 +83,7 @@ def launch(
     keep_every: Optional[int] = _opt("--keep-every", "Snapshots at multiples of M steps are kept forever.", POLICY),
     paranoid_retention: Optional[bool] = _opt("--paranoid-retention", "Before retention deletes, re-hash the newest snapshot read past the page cache (default: manifest + sizes).", POLICY),
     memory_every_steps: Optional[str] = _opt("--memory-every-steps", "Memory tier: a snapshot every N steps into /dev/shm, which a restart on this node restores first (auto: ~1% overhead; 0: off). [default: 0]", POLICY, metavar="N|auto"),
+    node_group: Optional[str] = _opt("--node-group", "Many nodes: this node's failure domain (a rack, a switch): memory replicas go to nodes of other groups first. [default: the switch in SLURM_TOPOLOGY_ADDR, else none]", POLICY, metavar="NAME"),
     memory_dir: Optional[Path] = _opt("--memory-dir", "The memory tier's directory on this node (a tmpfs: its RAM), created and deleted by the launch. [default: /dev/shm/ckptrun-RUN-HOST, many nodes: ...-nodeK]", POLICY, metavar="DIR"),
     memory_keep: Optional[int] = _opt("--memory-keep", "Memory-tier snapshots kept in /dev/shm (plus one being written). [default: 2]", POLICY),
     memory_replicas: Optional[int] = _opt("--memory-replicas", "Many nodes: copy each node's memory snapshots to R other nodes, verified on receipt, so a lost node restores from memory (0: off). [default: 1 with several nodes]", POLICY, metavar="R"),

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
 import sys
 import time
 import uuid
@@ -41,7 +43,7 @@ from ckptrun.runtime.storage.ckpt_url import merge_options
 
 TOKEN_NAME = ".ckptrun-storage-token"  # in the checkpoint dir: every node must read what the leader wrote
 JOIN_POLL_S = 0.5
-NODE_CACHE_FILE = "local-cache"  # in a node's dir: the --local-cache its launch named, for a resume
+NODE_CHOICES_FILE = "own.json"  # in a node's dir: the --local-cache and --node-group its launch named, for a resume
 
 
 def start_nodes(spec: LaunchSpec, settings: NodeSettings, argv: list[str], as_json: bool, estimator: Estimator) -> int:
@@ -134,25 +136,39 @@ def _node_run(paths: NodePaths, settings: NodeSettings, argv: list[str], as_json
             # --memory-dir names this node's own memory (the leader's run.json holds the leader's): a resume, which
             # takes no --memory-dir, uses the node's default one
             record.spec.node_memory_dir = own.node_memory_dir if spec is not None else None
-            record.spec.cache_dir = _own_cache(paths, own.cache_dir if spec is not None else None, resumed=spec is None)
             record.spec.local_addr = own.local_addr  # this node's address, never the leader's
             first, resume = 1, None
+        # this node's own --local-cache and --node-group (a resume: as recorded at its launch)
+        unrecorded = {"cache_dir": record.spec.cache_dir if settings.leader else None,
+                      "node_group": record.spec.node_group if settings.leader else None}
+        mine = _own_choices(paths, spec, unrecorded)
+        record.spec.cache_dir, record.spec.node_group = mine["cache_dir"], mine["node_group"]
         record.spec.node_rank = settings.node_rank
         return supervise_run(record, paths, first, resume, as_json, estimator=estimator, settings=settings,
                              store=job, standby=standby)
 
 
-def _own_cache(paths: NodePaths, given: Path | None, resumed: bool) -> Path | None:
-    """This node's ``--local-cache`` (the leader's run.json holds the leader's): the one its launch named,
-    recorded in its node dir for a resume, which takes no --local-cache (none recorded: no cache here)."""
-    recorded = paths.node_dir / NODE_CACHE_FILE
-    if resumed:
-        return Path(recorded.read_text()) if recorded.exists() else None
-    if given is not None:
-        recorded.write_text(str(given.resolve()))
-    else:
-        recorded.unlink(missing_ok=True)
-    return given.resolve() if given is not None else None
+def _own_choices(paths: NodePaths, spec: LaunchSpec | None, unrecorded: dict[str, Any]) -> dict[str, Any]:
+    """This node's ``--local-cache`` and ``--node-group`` (the leader's run.json holds the leader's): those its
+    launch named (the group by default from Slurm's topology), recorded in its node dir for a resume, which
+    takes neither (``unrecorded`` when the launch recorded nothing)."""
+    recorded = paths.node_dir / NODE_CHOICES_FILE
+    if spec is None:
+        try:
+            return {**unrecorded, **json.loads(recorded.read_text())}
+        except (OSError, ValueError):
+            return unrecorded
+    mine = {"cache_dir": str(spec.cache_dir.resolve()) if spec.cache_dir is not None else None,
+            "node_group": spec.node_group or topology_group(os.environ)}
+    recorded.write_text(json.dumps(mine))
+    return mine
+
+
+def topology_group(environ: Any) -> str | None:
+    """The switch above this node in Slurm's topology (``SLURM_TOPOLOGY_ADDR`` ``s0.s3.node17`` → ``s0.s3``):
+    nodes under one leaf switch share its failure, so it is their default ``--node-group``."""
+    address = str(environ.get("SLURM_TOPOLOGY_ADDR") or "")
+    return address.rsplit(".", 1)[0] if "." in address else None
 
 
 def with_own_secrets(record: RunRecord, own: LaunchSpec) -> RunRecord:

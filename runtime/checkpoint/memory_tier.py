@@ -121,7 +121,8 @@ class MemoryTier:
         self.told_first = False
         self.ring, self.leads_group, self.replicator, self.fetch_plan = None, None, None, {}
         if self.nodes > 1:  # replicas of each node's memory snapshots on the next nodes of a ring, by the leads
-            self.ring = replication.Ring.of(placement, 1 if env.memory_replicas is None else env.memory_replicas)
+            groups = collectives.all_gather_object(env.node_group)  # each node's failure domain (--node-group)
+            self.ring = replication.Ring.of(placement, 1 if env.memory_replicas is None else env.memory_replicas, groups)
             self.fetch_plan = dict(env.memory_fetch)
             if self.ring.replicas or self.fetch_plan:
                 self.leads_group = replication.leads_group(self.ring)

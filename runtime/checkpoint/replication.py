@@ -2,7 +2,8 @@
 
 A node's memory snapshot (:mod:`memory_tier`) dies with the node. So that a lost node costs no durable read,
 each node's first rank (its *lead*) sends every memory snapshot it published to the leads of the next R
-nodes of a ring (node k to k+1 … k+R, modulo the nodes), in the background, over a gloo group of the leads:
+nodes of a ring (node k to k+1 … k+R, modulo the nodes; with ``--node-group`` the ring alternates the groups,
+so that replicas leave their failure domain: :class:`Ring`), in the background, over a gloo group of the leads:
 the manifest first, then each listed file in pieces of :data:`PIECE` bytes, at most :data:`WINDOW` in flight,
 read from the published files (no copy) and received into two piece-sized buffers: each piece is hashed
 and written to the replica's file while the next arrives in the other (plain writes: filling a fresh ``mmap``
@@ -56,22 +57,49 @@ GROUP_TIMEOUT = datetime.timedelta(days=7)  # a receiver waits for the next memo
 
 @dataclass(frozen=True)
 class Ring:
-    """Who replicates to whom: node k's snapshots go to nodes k+1 … k+R (modulo the nodes)."""
+    """Who replicates to whom: node k's snapshots go to the next R nodes of a ring (without failure domains,
+    k+1 … k+R modulo the nodes). With ``--node-group`` (each node's failure domain: a rack, a switch) the
+    ring runs over the nodes interleaved by group (one of each group in turn), so that a node's next R nodes
+    are in other groups wherever the groups' sizes allow, and every node still holds R replicas."""
 
     leads: tuple[int, ...]  # the job rank of each node's lead, by node
     replicas: int
+    order: tuple[int, ...] = ()  # the ring's nodes in ring order (empty: 0 … N-1)
 
     @classmethod
-    def of(cls, placement: list[int], replicas: int) -> "Ring":
-        """From every rank's node (:func:`collectives.node_of_each_rank`): the first rank of each node leads it."""
+    def of(cls, placement: list[int], replicas: int, groups: list[str | None] | None = None) -> "Ring":
+        """From every rank's node (:func:`collectives.node_of_each_rank`): the first rank of each node leads it;
+        ``groups``: every rank's ``--node-group`` (None: a domain of its own)."""
         nodes = sorted(set(placement))
-        return cls(tuple(placement.index(node) for node in nodes), max(0, min(replicas, len(nodes) - 1)))
+        leads = tuple(placement.index(node) for node in nodes)
+        order = interleaved([groups[lead] for lead in leads]) if groups and any(groups) else ()
+        return cls(leads, max(0, min(replicas, len(nodes) - 1)), order)
+
+    def _ring(self) -> tuple[int, ...]:
+        return self.order or tuple(range(len(self.leads)))
 
     def targets(self, node: int) -> list[int]:
-        return [(node + i) % len(self.leads) for i in range(1, self.replicas + 1)]
+        ring = self._ring()
+        at = ring.index(node)
+        return [ring[(at + i) % len(ring)] for i in range(1, self.replicas + 1)]
 
     def sources(self, node: int) -> list[int]:
-        return [(node - i) % len(self.leads) for i in range(1, self.replicas + 1)]
+        ring = self._ring()
+        at = ring.index(node)
+        return [ring[(at - i) % len(ring)] for i in range(1, self.replicas + 1)]
+
+
+def interleaved(groups: list[str | None]) -> tuple[int, ...]:
+    """The nodes (indexes of ``groups``) one of each group in turn, groups by name, nodes by index within one;
+    a node without a group is a group of its own."""
+    members: dict[str, list[int]] = {}
+    for node, group in enumerate(groups):
+        members.setdefault(group if group else f"\0{node:09d}", []).append(node)
+    queues = [members[name] for name in sorted(members)]
+    order: list[int] = []
+    while any(queues):
+        order.extend(q.pop(0) for q in queues if q)
+    return tuple(order)
 
 
 def leads_group(ring: Ring) -> Any:
