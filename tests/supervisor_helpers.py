@@ -155,7 +155,7 @@ class ScriptedNodeWorld(ScriptedWorld):
     def __post_init__(self) -> None:
         self.active = list(self.nodes)
         self.settings = SimpleNamespace(leader=self.node == 0, min_nodes=self.min_nodes, spare=None)
-        self.spec = SimpleNamespace(allow_reshard=False)
+        self.spec = SimpleNamespace(allow_reshard=False, node_cache_dir=None)  # no --local-cache
         self.memory = MemoryDir(None)  # no memory tier: nothing to tell the leader after a teardown
         self.memory_fetch: dict = {}
         self.spares = None  # no spare launchers

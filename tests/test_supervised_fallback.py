@@ -142,7 +142,7 @@ def test_every_policy_field_of_the_spec_reaches_the_worker_env(tmp_path: Path) -
                    async_save=False, save_overlap="skip", max_failed_saves=9, seed=11, deterministic=False, threads=2,
                    hash_algorithm="blake3", allow_changes=["lr"], on_anomaly="rollback", anomaly_sigma=3.0,
                    anomaly_window=9, max_rollbacks=1, rollback_lr_factor=0.25, inject_fault="kill:rank=0:step=3",
-                   mtbf=60.0, heartbeat_timeout=2.0, allow_reshard=True, memory_every_steps=4, memory_keep=3, memory_replicas=2,
+                   mtbf=60.0, heartbeat_timeout=2.0, allow_reshard=True, memory_every_steps=4, memory_keep=3, memory_replicas=2, node_group="rack-2",
                    decision_every_steps=5,
                    on_replica_divergence="stop", replica_check_every_steps=7,
                    init_weights=Path("/weights/hf"), init_weights_sha256="cd" * 32)

@@ -172,6 +172,8 @@ class Supervisor(Endings):
             watch.last_step, watch.last_step_time = obs.last_step, obs.last_step_time
         if obs.steps and watch.first_step is None:
             watch.first_step = int(obs.steps[0]["step"])
+        if any(record.get("source") == "step-hook" for record in obs.steps):  # a short attempt can end unseen
+            self._plain_script_notice()  # by any heartbeat poll: its step-hook records still say what it is
         if obs.first_step_time is not None and watch.first_step_time is None:
             watch.first_step_time = obs.first_step_time
             if watch.state is State.STARTING:
