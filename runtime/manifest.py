@@ -151,6 +151,12 @@ class Manifest(BaseModel):
             problems.append("dcp/ holds tensors but the manifest lists no tensor shapes")
         return problems
 
+    def holds_some_ranks_only(self) -> bool:
+        """A snapshot of some of the job's ranks (a node's memory copy on many nodes: its own ranks' files and
+        shards), not of the whole job: per-rank files of fewer ranks than the world size."""
+        writers = {entry.rank for entry in self.files if entry.rank is not None and _named_rank(entry.path) is not None}
+        return self.schema_version >= 2 and bool(writers) and writers != set(range(self.world_size))
+
     def to_json(self) -> str:
         document = self.model_dump(mode="json")
         for entry in document["files"]:  # only DCP data files have chunks: no `"chunks": null` on the others

@@ -148,7 +148,10 @@ def test_the_memory_tier_on_two_nodes_restarts_each_node_from_its_own_memory_cop
     assert not dirs[0].exists() and not dirs[1].exists(), "each launch deletes its memory directory"
 
 
-FSDP_JOB = [str(Path(__file__).parent / "fixtures" / "fsdp_job.py"), "--steps", "20"]
+# --width 256: each rank's shard of the first layer (4 KiB) is smaller than the whole tensor once serialised (the
+# whole 8 KiB): a node's memory copy that holds only its shards must load as such (a size check once took the
+# global shape for what the node stores, and only tensors smaller than DCP's per-item overhead passed)
+FSDP_JOB = [str(Path(__file__).parent / "fixtures" / "fsdp_job.py"), "--steps", "20", "--width", "256"]
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ckptrun.runtime.checkpoint import dcp_io, snapshot
 from ckptrun.runtime import hashing, records
 from ckptrun.runtime.storage import store
-from ckptrun.runtime.checkpoint.dcp_io import load_metadata
+from ckptrun.runtime.checkpoint.dcp_io import UnsafeMetadataError, load_metadata
 from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.checkpoint.policies import Retention
 from ckptrun.runtime.checkpoint.retention import apply_retention
@@ -180,3 +181,28 @@ def test_paranoid_retention_rereads_the_newest_snapshot_and_a_flipped_byte_block
     assert steps(ckpt) == [1, 2, 3], "nothing is deleted while the newest snapshot does not verify"
     assert "sha256" in records.read_events(run_dir, "retention_skipped")[-1]["reason"]
     assert apply_retention(ckpt, Retention(keep_last=2), run_dir) == [1], "the default check trusts the write-time digests"
+
+
+def _planned(chunks: list[tuple[int, int]]):
+    """DCP's own load planner over a stored 4-element tensor ``w`` of which the snapshot holds ``chunks``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+
+    stored = [ChunkStorageMetadata(offsets=torch.Size([o]), sizes=torch.Size([n])) for o, n in chunks]
+    metadata = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                                         torch.Size([4]), stored)})
+    storage = {MetadataIndex("w", torch.Size([o])): _StorageInfo("__0_0.distcp", 0, 8) for o, _ in chunks}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"w": torch.empty(4)}, metadata, is_coordinator=True)
+    return planner.create_local_plan(), planner, storage
+
+
+def test_a_load_that_would_leave_part_of_a_tensor_unread_is_refused() -> None:
+    """A snapshot of some ranks only (a node's memory copy) holds some chunks of a tensor: a rank whose part
+    is not among them must fail, never keep the bytes it allocated."""
+    from ckptrun.runtime.checkpoint.dcp_io import _check_coverage
+
+    _check_coverage(*_planned([(0, 2), (2, 2)]))  # both halves stored: every element is read
+    with pytest.raises(UnsafeMetadataError, match="holds 2 of the 4 elements"):
+        _check_coverage(*_planned([(0, 2)]))

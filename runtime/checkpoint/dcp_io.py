@@ -12,7 +12,9 @@ its manifest digests were updated to match (invariant 5). Before anything is
 allocated, every read the metadata declares is checked against the manifest:
 plain file names of this ``dcp/`` that the manifest lists, byte ranges inside
 those files, declared bytes adding up to the listed ones, and no tensor larger
-than the bytes stored for it — so neither a 2^60-element shape nor a
+than the bytes stored for it (in a snapshot of some ranks only, a node's memory
+copy, no chunk of it; each rank's load then checks that it reads every element
+of its part) — so neither a 2^60-element shape nor a
 ``../../etc/passwd`` ever reaches the allocator or DCP's reader. Each item is
 then read into memory once and, for a chunked (schema 3) manifest, hashed
 against the digest of exactly its bytes before it is deserialised
@@ -95,7 +97,7 @@ def load_metadata(dcp_dir: Path, manifest: Manifest | None = None) -> Metadata:
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             raise UnsafeMetadataError(f"DCP item {key!r} is not a tensor; snapshots keep non-tensor state in JSON")
-    check_declared(metadata, _listed_sizes(dcp_dir, manifest))
+    check_declared(metadata, _listed_sizes(dcp_dir, manifest), whole=not manifest.holds_some_ranks_only())
     return metadata
 
 
@@ -113,8 +115,10 @@ def _listed_sizes(dcp_dir: Path, manifest: Manifest) -> dict[str, int]:
             if entry.path.startswith(prefix) and entry.path != f"{prefix}.metadata"}
 
 
-def check_declared(metadata: Metadata, sizes: dict[str, int]) -> None:
-    """Every read DCP would do lies inside a listed file, and every tensor is backed by stored bytes."""
+def check_declared(metadata: Metadata, sizes: dict[str, int], whole: bool = True) -> None:
+    """Every read DCP would do lies inside a listed file, and every tensor is backed by stored bytes: its whole
+    shape, or in a snapshot of some ranks only (``whole`` False: a node's memory copy) the chunks it declares,
+    which then cover only what those ranks load (each load checks that it reads all of its part)."""
     stored: dict[str, int] = defaultdict(int)
     for index, info in metadata.storage_data.items():
         stored[index.fqn] += _check_storage(index.fqn, info, sizes)
@@ -123,13 +127,18 @@ def check_declared(metadata: Metadata, sizes: dict[str, int]) -> None:
         raise UnsafeMetadataError(f"DCP metadata declares {declared} bytes of tensor data, the manifest lists {listed}")
     for fqn, item in metadata.state_dict_metadata.items():
         shape = tuple(item.size)
-        needed = math.prod(shape) * item.properties.dtype.itemsize
-        if any(dim < 0 for dim in shape) or needed > stored[fqn]:
-            raise UnsafeMetadataError(f"DCP tensor {fqn!r} declares shape {shape} ({needed} bytes) but "
-                                      f"{stored[fqn]} bytes are stored for it")
+        if any(dim < 0 for dim in shape):
+            raise UnsafeMetadataError(f"DCP tensor {fqn!r} declares shape {shape}")
         for chunk in item.chunks:
             if len(chunk.offsets) != len(shape) or any(o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, shape)):
                 raise UnsafeMetadataError(f"DCP tensor {fqn!r} declares a chunk outside its shape {shape}")
+        # what the snapshot holds of it: every chunk (a node's memory snapshot holds only its ranks' shards)
+        elements = math.prod(shape) if whole else sum(math.prod(chunk.sizes) for chunk in item.chunks)
+        needed = elements * item.properties.dtype.itemsize
+        if elements > math.prod(shape) or needed > stored[fqn]:
+            raise UnsafeMetadataError(f"DCP tensor {fqn!r} declares shape {shape} ({needed} bytes"
+                                      f"{'' if whole else ' in the chunks this snapshot holds'}) but {stored[fqn]} "
+                                      "bytes are stored for it")
 
 
 def _check_storage(fqn: str, info: Any, sizes: dict[str, int]) -> int:
@@ -174,6 +183,7 @@ class SafeReader(FileSystemReader):
         checked against its chunk digests, deserialised weights-only, and placed into its target."""
         dcp_dir = Path(self.path)
         manifest = self.manifest or _manifest_of(dcp_dir)
+        _check_coverage(plan, planner, self.storage_data)
         by_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = defaultdict(lambda: defaultdict(list))
         for request in plan.items:
             if request.type == LoadItemType.BYTE_IO:
@@ -207,6 +217,21 @@ class SafeReader(FileSystemReader):
         else:
             target.detach().copy_(piece)
         planner.commit_tensor(request, target)
+
+
+def _check_coverage(plan: LoadPlan, planner: LoadPlanner, storage: dict[MetadataIndex, Any]) -> None:
+    """Every element of every target this rank loads is read from the snapshot: a snapshot that holds only
+    part of a tensor (a node's memory copy, or a tampered ``.metadata``) must fail here, never leave a target
+    as it was allocated."""
+    covered: dict[str, int] = defaultdict(int)
+    for request in plan.items:
+        covered[request.dest_index.fqn] += math.prod(request.lengths)
+    stored = {index.fqn for index in storage}
+    for fqn, value in getattr(planner, "state_dict", {}).items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if fqn in stored and isinstance(local, torch.Tensor) and covered[fqn] != local.numel():
+            raise UnsafeMetadataError(f"DCP tensor {fqn!r}: the snapshot holds {covered[fqn]} of the "
+                                      f"{local.numel()} elements this rank loads")
 
 
 def _allocate(length: int) -> memoryview:

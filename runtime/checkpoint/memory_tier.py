@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptrun.runtime import collectives, records
+from ckptrun.runtime import collectives, hashing, records
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.checkpoint import replication
@@ -108,7 +108,7 @@ class MemoryTier:
         placement = collectives.node_of_each_rank() if self.dir is not None else [0]  # every rank: the same env
         self.nodes = len(set(placement))
         node_group = collectives.node_group(placement) if self.nodes > 1 else None  # each node keeps its own shards
-        self.saver = Saver(self.dir, env.hash_algorithm, asynchronous=True, group=node_group) if self.dir is not None else None
+        self.saver = Saver(self.dir, hashing.memory_algorithm(env.hash_algorithm), asynchronous=True, group=node_group) if self.dir is not None else None
         self.job_group = collectives.new_group() if self.nodes > 1 else None  # the cadence and failures, agreed job-wide
         self.rank = collectives.rank()
         self.lead = self.saver is not None and collectives.rank(self.saver.group) == 0  # writes this node's memory dir
