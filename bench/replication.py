@@ -47,6 +47,8 @@ sys.path.insert(0, str(HERE))
 
 from common import MiB, free_port, init_world, load_average  # noqa: E402
 
+from ckptrun.runtime import hashing  # noqa: E402
+
 GOAL = 1.3
 OP_TIMEOUT_S = 120  # any one gloo operation or socket call; a barrier waits at most for the other side's cleanup
 VARIANTS = ("replication", "socket")
@@ -66,7 +68,7 @@ def build(args: argparse.Namespace) -> None:
 
     init_world(0, 1)
     state = build_state(args.mib * MiB)
-    saver = Saver(args.scratch / "source", "sha256", asynchronous=False)
+    saver = Saver(args.scratch / "source", args.hash, asynchronous=False)
     save_once(saver, state)
     result = saver.collect(wait=True)[-1]
     if not result.ok or result.path is None:
@@ -221,7 +223,7 @@ def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
 def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     deadline, procs = time.monotonic() + args.timeout, []
     common = ["--mib", str(args.mib), "--repeats", str(args.repeats), "--scratch", str(scratch),
-              "--timeout", str(args.timeout)]
+              "--timeout", str(args.timeout), "--hash", args.hash]
     try:
         log(f"building a {args.mib} MiB snapshot with ckptrun's Saver in {scratch}")
         procs = [_spawn([*common, "--role", "build"], dict(os.environ))]
@@ -257,7 +259,7 @@ def report_out(args: argparse.Namespace, got: dict[str, Any], load: list[list[fl
     replication_s, socket_s = figure(samples["replication"], nbytes), figure(samples["socket"], nbytes)
     replication_cpu, socket_cpu = figure(cpu["replication"]), figure(cpu["socket"])
     ratio = replication_s["median"] / socket_s["median"]
-    return {"mib": args.mib, "bytes": nbytes, "files": got["files"], "repeats": args.repeats,
+    return {"mib": args.mib, "hash": args.hash, "bytes": nbytes, "files": got["files"], "repeats": args.repeats,
             "scratch": str(scratch.parent), "replication_s": replication_s, "socket_s": socket_s, "ratio": ratio,
             "ratio_per_repeat": [a / b for a, b in zip(samples["replication"], samples["socket"])],
             "goal": GOAL, "pass": ratio <= GOAL, "load": load, "cores": os.cpu_count(),
@@ -268,7 +270,7 @@ def report_out(args: argparse.Namespace, got: dict[str, Any], load: list[list[fl
 def print_table(out: dict[str, Any]) -> None:
     (start, end) = out["load"]
     print(f"replication of a {out['bytes'] / MiB:.0f} MiB snapshot ({out['files']} files) between two processes on "
-          f"127.0.0.1, {out['repeats']} repeats, scratch {out['scratch']}, load {start[0]} -> {end[0]} "
+          f"127.0.0.1, {out['hash']} digests, {out['repeats']} repeats, scratch {out['scratch']}, load {start[0]} -> {end[0]} "
           f"on {out['cores']} cores")
     print(f"  {'figure':18s} {'median':>8s} {'min':>8s} {'max':>8s} {'GiB/s':>7s}")
     for key in ("replication_s", "socket_s", "replication_cpu_s", "socket_cpu_s"):
@@ -287,6 +289,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scratch", type=Path, default=None,
                         help="where the snapshot and the copies go (default /dev/shm if it has room, else the temp dir)")
+    parser.add_argument("--hash", choices=("sha256", "blake3"), default=hashing.memory_algorithm("sha256"),
+                        help="the snapshot's digest, checked on receipt (default: the memory tier's, blake3 where installed)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     parser.add_argument("--timeout", type=int, default=900, help="seconds before everything is killed")
     parser.add_argument("--role", choices=("build", "pair"), default=None, help=argparse.SUPPRESS)

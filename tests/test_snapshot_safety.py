@@ -139,7 +139,7 @@ def count_hashing(monkeypatch) -> list[str]:
     """Every hasher opened in this process (a re-hash of a file opens one)."""
     opened: list[str] = []
     real = hashing.new_hasher
-    monkeypatch.setattr(hashing, "new_hasher", lambda algorithm: opened.append(algorithm) or real(algorithm))
+    monkeypatch.setattr(hashing, "new_hasher", lambda algorithm, **how: opened.append(algorithm) or real(algorithm, **how))
     return opened
 
 
