@@ -5,10 +5,9 @@ FAILED (a rank crashed), STALLED (ranks stopped beating: a hang) or, after a
 stop request, STOPPING → STOPPED. After FAILED/STALLED the restart policy
 says restart (from the newest snapshot the world verified) or give up with
 an exit code (design §4). There is exactly one restart counter; torchrun runs
-with ``--max-restarts 0``. Recovery checks (:mod:`ckptrun.cli.supervision.recovery`) may
-end a run too: an RTO estimate over ``--strict-budget`` (a stop, exit 1), a
-diverged resume under ``--require-exact-resume`` (the ranks are killed
-without saving the suspect state, exit 4).
+with ``--max-restarts 0``. Recovery checks (:mod:`ckptrun.cli.supervision.recovery`) may end a run too: an
+RTO estimate over ``--strict-budget`` (a stop, exit 1), a diverged resume under ``--require-exact-resume``
+(the ranks are killed without saving the suspect state, exit 4).
 
 One loop for one node and for many: a single-node run is a many-node run of
 one node. Between attempts the loop asks its :class:`~ckptrun.cli.supervision.job.Job`:
@@ -172,8 +171,8 @@ class Supervisor(Endings):
             watch.last_step, watch.last_step_time = obs.last_step, obs.last_step_time
         if obs.steps and watch.first_step is None:
             watch.first_step = int(obs.steps[0]["step"])
-        if any(record.get("source") == "step-hook" for record in obs.steps):  # a short attempt can end unseen
-            self._plain_script_notice()  # by any heartbeat poll: its step-hook records still say what it is
+        if any(record.get("source") == "step-hook" for record in obs.steps):  # plain, though maybe over unpolled
+            self._plain_script_notice()
         if obs.first_step_time is not None and watch.first_step_time is None:
             watch.first_step_time = obs.first_step_time
             if watch.state is State.STARTING:
@@ -386,9 +385,8 @@ class Supervisor(Endings):
         return True
 
     def _log_pending_restart(self, watch: AttemptWatch, final: bool = False) -> None:
-        """The restart event: the RTO parts once the relaunched attempt's first step shows the last one, the
-        resume check once the replayed steps and the throughput window are seen — or whatever is known when
-        the attempt ends (``final``)."""
+        """The restart event: the RTO parts once the relaunched attempt's first step shows the last one, the resume
+        check once the replayed steps and the throughput window are seen, or what is known at the end (``final``)."""
         pending = self.pending_restart
         if pending is None or pending["attempt"] != watch.attempt:
             return

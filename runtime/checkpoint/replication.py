@@ -24,7 +24,9 @@ next restart is durable (one extra restart at most).
 Why the ranks and not the supervisors: the bytes are in the ranks' process group already, gloo moves them at
 the loopback's or the network's speed, and the transport needs no port, credentials or protocol of ours.
 Threads: one sender (it takes the newest snapshot offered; one still waiting when a newer comes is skipped)
-and one receiver per source node, each blocking in gloo with the GIL released, never in the training step.
+and one receiver per source node, each blocking in gloo with the GIL released, never in the training step,
+at the background writer's lowered CPU and I/O priority. The restore's fetch runs at normal priority: it is
+what the restart waits for.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ckptrun.runtime import hashing
+from ckptrun.runtime.checkpoint.saver import lower_priority
 from ckptrun.runtime.manifest import MANIFEST_NAME, Manifest
 from ckptrun.runtime.storage import store
 
@@ -245,6 +248,7 @@ class Replicator:
         self.offers.put(snapshot)
 
     def _send_loop(self) -> None:
+        lower_priority()  # background work: training keeps the cores it needs
         while True:
             snapshot = self.offers.get()
             while snapshot is not None and not self.offers.empty():  # a newer one came meanwhile: it replaces this
@@ -263,6 +267,7 @@ class Replicator:
                     return
 
     def _receive_loop(self, source: int) -> None:
+        lower_priority()
         directory = store.replica_dir(self.memory_dir, source)
         directory.mkdir(parents=True, exist_ok=True)
         while True:

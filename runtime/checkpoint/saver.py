@@ -51,8 +51,9 @@ WRITER_DUTY = 1.0  # share of wall time the writer may be busy between pauses (r
 # Not yet shown to help (only under load 9-14, where noise exceeds the effect); bench/writer_settings.py A/Bs both.
 
 
-def _lower_priority(nice: int) -> None:
-    """The writer thread yields CPU and disk to training (Linux niceness and I/O priority are per thread)."""
+def lower_priority(nice: int = WRITER_NICE) -> None:
+    """The calling background thread (the writer, a replica's sender or receiver) yields CPU and disk to
+    training (Linux niceness and I/O priority are per thread)."""
     tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, nice)
@@ -87,7 +88,7 @@ class Saver:
         self.stager = Stager()
         self.owned = OwnedKeys()
         self.scanner = ThreadPoolExecutor(1, "ckptrun-finite")  # the staged floats' finiteness, beside the persist
-        self.pool = ThreadPoolExecutor(1, "ckptrun-persist", initializer=_lower_priority,
+        self.pool = ThreadPoolExecutor(1, "ckptrun-persist", initializer=lower_priority,
                                        initargs=(WRITER_NICE if nice is None else nice,)) if asynchronous else None
         self.pending: Future | None = None
         self.finished: list[SaveResult] = []
