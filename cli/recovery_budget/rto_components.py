@@ -31,6 +31,9 @@ from ckptrun.runtime.manifest import Manifest
 from ckptrun.runtime.checkpoint.verified_read import HASH_THREADS
 
 PROBE_TIMEOUT_S = 600.0
+# A crash's teardown on CPU (gloo) ranks, before any restart measured one: bench/rto_accuracy.py and
+# bench/node_loss.py measured 0.21-0.46 s on 2 CPUs (the SIGKILL bound, 1 s, was the estimate before: 1.8x).
+CPU_CRASH_TEARDOWN_S = 0.4
 
 
 @dataclass
@@ -104,9 +107,16 @@ def teardown(target: Target, noop: measure.NoopTimes | None) -> Component:
         return Component("teardown", noop.teardown_s, MEASURED,
                          f"the supervisor's teardown of a no-op {noop.world}-rank torchrun tree ({noop.path.words}); "
                          f"bound: grace period {fmt(grace)} ({where})", facts)
+    bound = (f"bound: SIGKILL {fmt(FAILED_GRACE_S)} after SIGTERM (the grace period {fmt(grace)} ({where}) bounds a "
+             "stop's teardown, not a failed attempt's)")
+    if hist.device(target.events) == "cpu":
+        return Component("teardown", CPU_CRASH_TEARDOWN_S, ESTIMATED,
+                         f"a crash's teardown on CPU ranks {fmt(CPU_CRASH_TEARDOWN_S)} (modelled: torchrun sees the dead "
+                         f"rank, the survivors leave their collective on the broken connection and exit on SIGTERM; "
+                         f"0.21-0.46 s measured here); {bound}", facts)
     return Component("teardown", FAILED_GRACE_S, CONFIGURED,
-                     f"a crash's teardown: the survivors get SIGTERM, then SIGKILL after {fmt(FAILED_GRACE_S)} (the grace "
-                     f"period {fmt(grace)} ({where}) bounds a stop's teardown, not a failed attempt's)", facts)
+                     f"a crash's teardown: the survivors get SIGTERM, then SIGKILL after {fmt(FAILED_GRACE_S)} (a rank "
+                     f"waiting on a GPU collective does not return to take SIGTERM); {bound}", facts)
 
 
 def backoff(target: Target) -> Component:

@@ -194,3 +194,18 @@ def launch_to_first_step(events: list[dict[str, Any]], metrics: list[dict[str, A
               if attempt in started and attempt not in restored and _number(records[0].get("time")) is not None]
     return median(v for v in values if v >= 0), len(values)
 
+
+def forked_to_process_group(events: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """Seconds from a forked (warm) rank's start to its process group, in attempts that started from nothing
+    (the ``started`` event's marks; only a forked rank notes its start): the part of a warm standby's hand-over
+    that the first attempt already ran."""
+    values = [marks["process_group"] - marks["process"] for e in events if e.get("event") == "started"
+              and isinstance(marks := e.get("startup") or {}, dict)
+              and _number(marks.get("process")) is not None and _number(marks.get("process_group")) is not None]
+    return median(v for v in values if v >= 0), len(values)
+
+
+def device(events: list[dict[str, Any]]) -> str | None:
+    """The device the ranks trained on (``cpu``, ``cuda``), from the runtime's ``precision`` event."""
+    said = [e.get("device") for e in events if e.get("event") == "precision" and isinstance(e.get("device"), str)]
+    return said[-1] if said else None

@@ -32,10 +32,12 @@ from ckptrun.cli.recovery_budget.rto_model import (CONFIGURED, ESTIMATED, RTO_PA
 from ckptrun.runtime import records
 
 
-# What estimate-rto's no-op relaunch measures on the default path (a warm standby handed the attempt, its ranks
-# forked and in the process group): ~0.45 s here, under load too (bench/rto_accuracy.py). Launch does not
-# measure it: a no-op launch would compete with the training it watches.
-WARM_HANDOVER_S = 0.5
+# A warm standby's hand-over is its dispatch (handed the attempt: rendezvous, ranks forked; a restart's
+# `spawn_s`, ~0.15 s here) and the forked ranks' way to their process group, which attempt 1 already ran and
+# measured (its `started` event). Launch runs no no-op relaunch to measure the dispatch: it would compete with
+# the training it watches. Before, the whole hand-over was modelled as 0.5 s.
+STANDBY_DISPATCH_S = 0.15
+FORKED_TO_GROUP_S = 0.35  # modelled when attempt 1 noted no fork (spawned ranks) and no process group
 VANISHED_RETRIES = 3  # the run goes on while its snapshot is measured: retention may delete it under us
 
 
@@ -82,16 +84,26 @@ def restart(target: parts.Target) -> Component:
     launch, count = hist.launch_to_first_step(target.events, target.metrics)
     restore, how, _ = parts.restore_estimate(target, target.manifest.world_size)
     path, _ = parts.relaunch_path(target)
-    if path.standby and path.warm:  # estimate-rto's model, with the no-op relaunch it measures taken as modelled
+    if path.standby and path.warm:  # estimate-rto's model; of the hand-over it measures, the dispatch is modelled
         step, step_words = parts.setup_and_first_step(target)
-        return Component("restart", WARM_HANDOVER_S + restore + step, ESTIMATED,
-                         f"a warm standby's hand-over to its forked ranks in the process group {fmt(WARM_HANDOVER_S)} "
-                         f"(modelled; `ckptrun estimate-rto` measures it) + {how} + {step_words}",
-                         {"relaunch_path": path.name, "cold_s": launch})
+        handover, handover_words = _handover(target)
+        return Component("restart", handover + restore + step, ESTIMATED, f"{handover_words} + {how} + {step_words}",
+                         {"relaunch_path": path.name, "cold_s": launch, "handover_s": handover})
     if launch is None:
         return Component("restart", restore, ESTIMATED, how + "; start-up not included (no attempt reached a step yet)")
     return Component("restart", launch + restore, ESTIMATED,
                      f"this run's launch to first step {fmt(launch)} (history, {count} attempt(s)) + {how}")
+
+
+def _handover(target: parts.Target) -> tuple[float, str]:
+    """A warm standby's hand-over: its dispatch (modelled) + forked ranks to the process group (attempt 1's)."""
+    forked, count = hist.forked_to_process_group(target.events)
+    group_words = f"forked ranks to the process group {fmt(forked)} (attempt 1, {count} start(s))" if forked is not None \
+        else f"forked ranks to the process group {fmt(FORKED_TO_GROUP_S)} (modelled)"
+    forked = FORKED_TO_GROUP_S if forked is None else forked
+    return (STANDBY_DISPATCH_S + forked,
+            f"a warm standby's hand-over {fmt(STANDBY_DISPATCH_S + forked)}: its dispatch {fmt(STANDBY_DISPATCH_S)} "
+            f"(modelled; `ckptrun estimate-rto` measures it) + {group_words}")
 
 
 def interval_cap(run_dir: Path, budget_s: float | None) -> float | None:
