@@ -3,18 +3,19 @@
     python bench/control_plane.py --nodes 8,64,256,1024 [--repeats 10] [--json]
 
 Real code, not a re-implementation (no ranks, torchrun or run dir). **The leader** (its own process, node 0)
-hosts the store (``JobStore.host``), runs ``NodeJob.start`` (join, wait for every node, attempt 1), then every
-``Timeouts().poll`` ``NodeWorld.sync`` (beat, the attempt's failure, a stop, every heartbeat through ``NodeWatch``,
-``SpareBench.observe``) and, on another node's failure, its supervisor's path between attempts:
-``NodeJob.root_cause`` and the failure event's ``post_failure``, ``NodeJob.torn_down``, ``NodeJob.gather`` (every
-ack; silent, relaunched, lost nodes), ``RestartPolicy.verdict`` (a first restart's facts: no back-off),
-``NodeWorld.newest_snapshot`` (``node_verify.choose``: a verify round, every node hashing its share of a small
-published snapshot) and ``NodeJob.restarting``. **Every other node** is a thread (``--agents-per-proc`` per
-forked process) with a ``JobStore.connect`` client doing what its launcher does with the store: connect and read
-the token as ``many_nodes._join`` does, ``NodeJob.start``, then ``NodeWorld.sync`` every ``Timeouts().poll``; told
-to fail, it reports a SIGKILLed rank (``NodeJob.root_cause``); seeing another node's failure it posts its
-collateral one, then ``NodeJob.torn_down`` and ``NodeJob.follow`` (``_next_attempt``: verdict, attempt, its verify
-share by ``node_verify.answer``, beat, sleep ``Timeouts().poll``); a lost leader ends it as ``LeaderLost`` after
+hosts the store (``JobStore.host``), runs ``NodeJob.start`` (join, wait for every node, attempt 1), then its
+supervisor's poll loop: ``NodeWorld.sync`` (beat, the attempt's failure, a stop, every heartbeat through
+``NodeWatch``, ``SpareBench.observe``), ``NodeWorld.sleep(Timeouts().poll)`` (a wait on the attempt's failure key)
+and, on another node's failure, its supervisor's path between attempts: ``NodeJob.root_cause`` and the failure
+event's ``post_failure``, ``NodeJob.torn_down``, ``NodeJob.gather`` (every ack; silent, relaunched, lost nodes),
+``RestartPolicy.verdict`` (a first restart's facts: no back-off), ``NodeWorld.newest_snapshot``
+(``node_verify.choose``: a verify round, every node hashing its share of a small published snapshot) and
+``NodeJob.restarting``. **Every other node** is a thread (``--agents-per-proc`` per forked process) with a
+``JobStore.connect`` client doing what its launcher does with the store: connect and read the token as
+``many_nodes._join`` does, ``NodeJob.start``, then ``NodeWorld.sync`` and ``NodeWorld.sleep`` in turn; told to
+fail, it reports a SIGKILLed rank (``NodeJob.root_cause``); seeing another node's failure it posts its collateral
+one, then ``NodeJob.torn_down`` and ``NodeJob.follow`` (``_next_attempt``: news count, verdict, attempt, its verify
+share by ``node_verify.answer``, beat, a wait on the next news key); a lost leader ends it as ``LeaderLost`` after
 ``LEADER_LOST_S``. Both build ``NodeWorld`` without ``LocalWorld.__init__`` (only what its store code reads) and
 repeat ``NodeWorld.launch``'s store part per attempt.
 
@@ -60,11 +61,15 @@ START_S, TRIAL_S, STEADY_S = 300.0, 60.0, 3.0
 
 
 class Counting(JobStore):
-    ops = 0  # the real JobStore, counting the requests it sends (``get`` is two: a wait, then the get)
+    ops = 0  # the real JobStore, counting its requests (``get``: a wait and the get; a timed-out wait: it and its cancel)
 
     def _call(self, method: str, *args: Any) -> Any:
         self.ops += 2 if method == "get" else 1
-        return super()._call(method, *args)
+        try:
+            return super()._call(method, *args)
+        except TimeoutError:
+            self.ops += 1
+            raise
 
 
 class TimedJob(NodeJob):
@@ -84,7 +89,7 @@ def bare_world(job: JobStore, node: int, n: int, ckpt_dir: Path, leader: bool) -
     world.remote_failure = world.remote_stop = world.unreachable_since = world.verify_for = None
     world.spares = SpareBench(job, NODE_TIMEOUT) if leader else None
     world.ckpt_dir, world.run_id, world.attempt, world.launched = ckpt_dir, job.run_id, 0, 0.0
-    world.spec = SimpleNamespace(store_url=None, allow_reshard=False)
+    world.spec = SimpleNamespace(store_url=None, allow_reshard=False, node_cache_dir=None)  # no --local-cache
     world.say, world.event = (lambda line: None), (lambda name, **fields: None)
     world.stop_file_present = lambda: False  # type: ignore[method-assign]
     return world
@@ -132,7 +137,9 @@ def leader_main(conn: Connection, n: int, run_id: str, ckpt_dir: Path) -> None:
             conn.send(("decided", attempt, *decide(world, node_job, watch)))
             attempt += 1
             watch = relaunch(world, attempt)
-        elif conn.poll(TIMEOUTS.poll):  # the loop's sleep; the harness asks for figures meanwhile
+            continue
+        world.sleep(TIMEOUTS.poll)  # the supervisor's sleep: the attempt's failure key ends it
+        if conn.poll(0):  # the harness asked for figures meanwhile
             conn.recv()
             conn.send(("stats", job.ops, cpu_s() - cpu0, polls))
             polls = []
@@ -213,7 +220,7 @@ def agent(node: int, shared: SimpleNamespace) -> None:
                 if world.remote_failure is not None:  # another node's: its ranks torn down, a collateral failure
                     watch.failure = {"cause": "crash", "signal": "SIGTERM", "rank": node}
                     break
-                time.sleep(TIMEOUTS.poll)
+                world.sleep(TIMEOUTS.poll)
             node_job.root_cause(watch)
             post_failure(job, watch.attempt, node, watch.failure)  # NodeWorld.event("failure")
             node_job.torn_down(watch)

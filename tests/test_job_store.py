@@ -115,6 +115,8 @@ def test_a_lost_leader_makes_every_call_fail() -> None:
         for _ in range(3):  # a set may still sit in the socket's buffer; a read cannot
             client.heartbeats([1])
     with pytest.raises(StoreUnreachable):
+        client.wait_for([client.key("never")], 30.0)  # a wait fails at once too, not after its timeout
+    with pytest.raises(StoreUnreachable):
         JobStore.connect("run-y", "127.0.0.1", port, timeout_s=1)
 
 
@@ -166,7 +168,7 @@ def test_each_node_verifies_a_disjoint_share_and_a_bad_share_skips_the_snapshot_
 # --- the multi-node job's decisions, on a real store (the world that would launch ranks is a stand-in) ---
 
 
-def _node_job(job: JobStore, node: int, join_timeout: float = 20.0):
+def _node_job(job: JobStore, node: int, join_timeout: float = 20.0, poll: float = 0.02):
     """A NodeJob with only what its between-attempts code reads: the store is real, no ranks start."""
     from types import SimpleNamespace
 
@@ -176,8 +178,8 @@ def _node_job(job: JobStore, node: int, join_timeout: float = 20.0):
     world = SimpleNamespace(job=job, node=node, settings=SimpleNamespace(leader=node == 0, spare=None), active=[node],
                             stop_file_present=lambda: False, say=lambda line: None, event=lambda name, **fields: None,
                             memory=MemoryDir(None), spares=None, memory_fetch={},  # no memory tier, no spares
-                            spec=SimpleNamespace(node_cache_dir=None))  # no node cache
-    timeouts = SimpleNamespace(poll=0.02, startup=20.0)
+                            spec=SimpleNamespace(node_cache_dir=None), watch=NodeWatch(60.0))  # no node cache
+    timeouts = SimpleNamespace(poll=poll, startup=20.0, grace=30.0)
     return NodeJob(world, timeouts, SimpleNamespace(reason=lambda now, present: None), join_timeout)
 
 
@@ -346,3 +348,37 @@ def test_the_leader_reads_every_node_in_a_constant_number_of_requests() -> None:
     assert slow.heartbeats([1, 2, 3, 4]) == leader.heartbeats([1, 2, 3, 4])
     assert slow.teardown_acks(4, [1, 2, 3, 4]) == leader.teardown_acks(4, [1, 2, 3, 4])
     assert slow.node(2) == leader.node(2) and slow.attempt() is None
+
+
+LONG_POLL_S = 30.0  # longer than the test's timeout: a waiter that slept out its poll could not finish in time
+
+
+@pytest.mark.timeout(25)
+def test_each_hop_of_a_restart_wakes_on_its_key_not_on_the_next_poll(tmp_path) -> None:
+    """Issue 26: with a 30 s poll everywhere, a node's sleep ends on another node's failure, the leader's wait on
+    the last teardown ack, a follower's wait on the verify round (its verdict ends the leader's wait) and then on
+    the next attempt. A wait that times out leaves the connection usable."""
+    from snapshot_factory import make_snapshot
+
+    from ckptrun.cli.supervision.node_world import NodeWorld
+
+    leader = JobStore.host("run-w", "127.0.0.1", 0)
+    follower = JobStore.connect("run-w", "127.0.0.1", leader.port, timeout_s=5)
+    assert not follower.wait_for([follower.key("never")], 0.05) and follower.attempt() is None
+    leader.start_attempt(1, None, [0, 1])
+    world = NodeWorld.__new__(NodeWorld)  # only what its sleep reads: the store and the attempt
+    world.job, world.attempt = follower, 1
+    sleeping, _ = _in_thread(lambda: world.sleep(LONG_POLL_S))
+    leader.report_failure(1, node=0, ranks=[0], cause="crash")
+    sleeping.join()
+    gathering = _node_job(leader, 0, poll=LONG_POLL_S)
+    gathering.world.active = [0, 1]
+    acks, _ = _in_thread(lambda: gathering._wait_for_acks(1))
+    follower.ack_teardown(1, 1)
+    acks.join()
+    following, result = _in_thread(lambda: _node_job(follower, 1, poll=LONG_POLL_S).follow(1))
+    leader.ask_verify(1, 1, str(make_snapshot(tmp_path / "ckpt", 5)), [0, 1])
+    assert leader.wait_for_verdicts("1.1", [1], LONG_POLL_S) and leader.verify_verdicts("1.1", [1])[1]["ok"]
+    leader.start_attempt(2, None, [0, 1])
+    following.join()
+    assert result == [(2, None)]

@@ -15,6 +15,8 @@ Keys live under ``ckptrun/<run>/`` and hold small JSON documents:
     a<N.r>/verify/<k>     node k's verdict on its share of round r's candidate
     stop                  a stop asked on any node (signal, ``ckptrun stop``, time limit)
     verdict               how the job ends, decided by the leader: done, stopped, gave up, requeue
+    news, news/<n>        the leader's n-th word to the followers (``attempt``, ``a<N>/verify`` or ``verdict``
+                          changed): a follower between attempts waits for the one after those it has read
     ckpt_token            the token the leader wrote into the checkpoint dir (same storage everywhere?)
     spare/joins           how many spare launchers joined (``launch --spare``): spare s is the s-th
     spare/<s>             spare s: pid, host; spare/<s>/beat its heartbeat; spare/<s>/promoted the node it takes
@@ -26,11 +28,15 @@ known to exist (no key is ever deleted), so the known keys of a read are fetched
 a family's index says in one request which of its keys exist. torch's extended store API (``append``,
 ``multi_get``: torch 2.1) is used where the store has it, else one ``check`` and ``get`` per key.
 
-The store has no TTL and no watch: everyone polls, and a node whose
-heartbeat stops changing is judged stale by the observer's own clock (no
-clock agreement needed between hosts). When the leader is gone every store
-call fails: :class:`StoreUnreachable`. torch is imported here lazily (only a
-multi-node launch builds a :class:`JobStore`; the import costs seconds once).
+The store has no TTL and no watch, but a key that is written once is an event: a waiter blocks on the keys
+it expects (``TCPStore.wait``, :meth:`JobStore.wait_for`) for at most its poll interval, so each hop of a
+restart takes one round trip, not up to a poll, and the waiter still wakes every poll for its other checks.
+Every supervisor's sleep between polls waits on its attempt's ``a<N>/failure``; the leader waits on the
+``node/<k>``, ``a<N>/down/<k>`` and verdict keys it lacks; a follower between attempts on ``news/<n>``, since
+one wait needs *all* its keys and the leader's next word may be a verify round, an attempt or a verdict. A
+node whose heartbeat stops changing is still judged stale by the observer's own clock (no clock agreement
+needed between hosts). When the leader is gone every store call fails: :class:`StoreUnreachable`. torch is
+imported here lazily (only a multi-node launch builds a :class:`JobStore`; the import costs seconds once).
 """
 
 from __future__ import annotations
@@ -106,8 +112,11 @@ class JobStore:
     def _call(self, method: str, *args: Any) -> Any:
         try:
             return getattr(self.store, method)(*args)
-        except RuntimeError as exc:
-            raise StoreUnreachable(f"the job's store ({method}): {str(exc).splitlines()[0]}") from None
+        except RuntimeError as exc:  # DistStoreError, DistNetworkError
+            first = str(exc).splitlines()[0]
+            if method == "wait" and first.startswith("wait timeout"):  # the keys are not there yet
+                raise TimeoutError(first) from None
+            raise StoreUnreachable(f"the job's store ({method}): {first}") from None
 
     def put(self, key: str, value: dict[str, Any]) -> None:
         self._call("set", key, json.dumps(value))
@@ -144,7 +153,28 @@ class JobStore:
 
     def first(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
         """Write ``value`` unless someone wrote ``key`` first; returns what the key holds (the winner)."""
-        return json.loads(self._call("compare_set", key, "", json.dumps(value)))
+        winner = json.loads(self._call("compare_set", key, "", json.dumps(value)))
+        self.known.add(key)
+        return winner
+
+    def wait_for(self, keys: list[str], timeout_s: float) -> bool:
+        """Block until every key exists (True, at once when they do: a waiter wakes on the writer's key, not on
+        its next poll) or ``timeout_s`` passes (False). Used where the store has the extended API: there a wait that
+        times out is cancelled and its connection stays usable (tested); elsewhere it sleeps, then checks."""
+        missing, timeout_s = [key for key in keys if key not in self.known], max(timeout_s, 0.001)
+        if not missing:
+            return True
+        if not self.batched:
+            time.sleep(timeout_s)
+            if not self._call("check", missing):
+                return False
+        else:
+            try:
+                self._call("wait", missing, timedelta(seconds=timeout_s))
+            except TimeoutError:
+                return False
+        self.known.update(missing)
+        return True
 
     def read_many(self, keys: Iterable[tuple[int, str]], index: str | None = None) -> dict[int, dict[str, Any]]:
         """The documents of those keys that exist, by member; ``index``: the family's index (its writers list
@@ -172,6 +202,9 @@ class JobStore:
 
     def node(self, node: int) -> dict[str, Any] | None:
         return self.read(self.key("node", node))
+
+    def wait_for_joins(self, nodes: Iterable[int], timeout_s: float) -> bool:
+        return self.wait_for([self.key("node", n) for n in nodes], timeout_s)
 
     def nodes(self, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
         """The records of those nodes that joined, in a constant number of requests (``node`` reads one)."""
@@ -218,9 +251,24 @@ class JobStore:
     def start_attempt(self, attempt: int, snapshot: dict[str, Any] | None, nodes: list[int]) -> None:
         """The leader's word: every node runs ``attempt`` from ``snapshot`` (step, digest, path; None: scratch)."""
         self.put(self.key("attempt"), {"attempt": attempt, "snapshot": snapshot, "nodes": nodes, "time": time.time()})
+        self._tell()
 
     def attempt(self) -> dict[str, Any] | None:
         return self.read(self.key("attempt"))
+
+    def _tell(self) -> None:
+        """After the leader wrote what the followers wait for: its next ``news/<n>`` wakes them (the count
+        moves after the write, on the same connection, so a follower woken by it reads the new value)."""
+        told = int(self._call("add", self.key("news"), 1))
+        self.put(self.key("news", told), {"time": time.time()})
+
+    def news(self) -> int:
+        """How many words the leader said so far: read it before the keys it announces, then wait for the next."""
+        return int(self._call("add", self.key("news"), 0))
+
+    def wait_for_news(self, after: int, timeout_s: float) -> bool:
+        """The leader said something after its ``after``-th word (an attempt, a verify round, the verdict)."""
+        return self.wait_for([self.key("news", after + 1)], timeout_s)
 
     def report_failure(self, attempt: int, node: int, ranks: list[int], cause: str, yield_s: float = 0.0,
                        **facts: Any) -> dict[str, Any]:
@@ -239,6 +287,12 @@ class JobStore:
     def failure(self, attempt: int) -> dict[str, Any] | None:
         return self.read(self.key(f"a{attempt}", "failure"))
 
+    def wait_for_failure(self, attempt: int, timeout_s: float) -> bool:
+        """True when a node reported ``attempt``'s failure within ``timeout_s``; False at once when this client
+        knew of it already (it has read it: nothing new to wake for)."""
+        key = self.key(f"a{attempt}", "failure")
+        return key not in self.known and self.wait_for([key], timeout_s)
+
     def ack_teardown(self, attempt: int | str, node: int, **facts: Any) -> None:
         self._put_listed(self.key(f"a{attempt}", "down", "index"), node, self.key(f"a{attempt}", "down", node),
                          {"node": node, "time": time.time(), **facts})
@@ -247,9 +301,13 @@ class JobStore:
         return self.read_many(((n, self.key(f"a{attempt}", "down", n)) for n in nodes),
                               self.key(f"a{attempt}", "down", "index"))
 
+    def wait_for_acks(self, attempt: int | str, nodes: Iterable[int], timeout_s: float) -> bool:
+        return self.wait_for([self.key(f"a{attempt}", "down", n) for n in nodes], timeout_s)
+
     def ask_verify(self, attempt: int, round: int, path: str, nodes: list[int]) -> None:
         """The leader's candidate for the attempt after ``attempt``: every node verifies its share of it."""
         self.put(self.key(f"a{attempt}", "verify"), {"round": round, "path": path, "nodes": nodes, "time": time.time()})
+        self._tell()
 
     def verify_asked(self, attempt: int) -> dict[str, Any] | None:
         return self.read(self.key(f"a{attempt}", "verify"))
@@ -261,6 +319,9 @@ class JobStore:
     def verify_verdicts(self, attempt: int | str, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
         return self.read_many(((n, self.key(f"a{attempt}", "verify", n)) for n in nodes),
                               self.key(f"a{attempt}", "verify", "index"))
+
+    def wait_for_verdicts(self, attempt: int | str, nodes: Iterable[int], timeout_s: float) -> bool:
+        return self.wait_for([self.key(f"a{attempt}", "verify", n) for n in nodes], timeout_s)
 
     # --- the job's end ------------------------------------------------------------------------
 
@@ -274,6 +335,7 @@ class JobStore:
     def set_verdict(self, action: str, code: int, message: str, **facts: Any) -> None:
         """How the job ends (leader only): ``done``, ``stopped``, ``gave_up`` or ``requeue``, with the exit code."""
         self.put(self.key("verdict"), {"action": action, "code": code, "message": message, "time": time.time(), **facts})
+        self._tell()
 
     def verdict(self) -> dict[str, Any] | None:
         return self.read(self.key("verdict"))

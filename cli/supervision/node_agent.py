@@ -138,14 +138,16 @@ class NodeJob:
         self.job.start_attempt(watch.attempt + 1, described, self.world.active)
 
     def _wait_for_acks(self, attempt: int) -> None:
-        """Every node has torn attempt ``attempt`` down (a silent or relaunched node is not waited for)."""
+        """Every node has torn attempt ``attempt`` down (a silent or relaunched node is not waited for): the
+        last ack's key wakes the wait, which still ends every poll to look for silent nodes."""
         deadline = time.monotonic() + self.timeouts.grace + self.world.watch.timeout_s
         while time.monotonic() < deadline:
             gone = set(self._silent()) | set(self._relaunched())
             acks = set(self.job.teardown_acks(attempt, self.world.active))
-            if set(self.world.active) <= acks | gone | {self.world.node}:
+            waiting = set(self.world.active) - acks - gone - {self.world.node}
+            if not waiting:
                 return
-            time.sleep(self.timeouts.poll)
+            self.job.wait_for_acks(attempt, sorted(waiting), min(self.timeouts.poll, deadline - time.monotonic()))
 
     def _others(self) -> list[int]:
         return [n for n in self.world.active if n != self.world.node]
@@ -239,7 +241,7 @@ class NodeJob:
                 return []
             if time.monotonic() >= deadline:
                 return missing
-            time.sleep(self.timeouts.poll)
+            self.job.wait_for_joins(missing, min(self.timeouts.poll, deadline - time.monotonic()))
 
     def _not_joined(self, missing: list[int]) -> Outcome:
         """Start-up ends without every node: the leader's verdict (published by :meth:`ended`) names them."""
@@ -262,10 +264,12 @@ class NodeJob:
 
     def _next_attempt(self, after_attempt: int) -> Next | Outcome:
         """Wait for the leader's word: an attempt numbered above ``after_attempt`` that lists this node (its
-        number, never the leader's clock, says it is new), or how the job ends."""
+        number, never the leader's clock, says it is new), or how the job ends. Between reads it waits on the
+        leader's next ``news`` key (read before what it announces), so a new word wakes it at once."""
         unreachable, verified = None, set()
         while True:
             try:
+                told = self.job.news()
                 verdict = self.job.verdict()
                 record = self.job.attempt()
                 unreachable = None
@@ -302,7 +306,8 @@ class NodeJob:
             self._call(self.job.beat, self.world.node, attempt=after_attempt, state="waiting")
             if self.stop.reason(time.time(), self.world.stop_file_present()):
                 self._call(self.job.request_stop, self.world.node, "stop while waiting for the leader")
-            time.sleep(self.timeouts.poll)
+            if self._call(self.job.wait_for_news, told, self.timeouts.poll) is None:  # unreachable: the next
+                time.sleep(self.timeouts.poll)  # read counts how long
 
     # --- endings --------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from ckptrun.runtime.storage.store import list_entries, read_lineage
 from ckptrun.runtime.checkpoint.verify import verify_snapshot
 
 ANSWER_S = 30.0  # a node's verdict on its share; after this the leader hashes the share itself
-POLL_S = 0.05
+WAIT_S = 1.0  # the longest one wait for the verdicts lasts (a verdict's key ends it at once)
 BEAT_S = 1.0  # a follower's heartbeat while it hashes its share
 
 
@@ -105,8 +105,8 @@ def _verify_round(job: JobStore, attempt: int, round: int, path: Path, nodes: li
     verify_share(job, attempt, round, path, me, nodes)
     label, deadline = f"{attempt}.{round}", time.monotonic() + ANSWER_S
     verdicts = job.verify_verdicts(label, nodes)
-    while len(verdicts) < len(nodes) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    while len(verdicts) < len(nodes) and time.monotonic() < deadline:  # the last verdict's key wakes the wait
+        job.wait_for_verdicts(label, [n for n in nodes if n not in verdicts], min(WAIT_S, deadline - time.monotonic()))
         verdicts = job.verify_verdicts(label, nodes)
     for missing in (n for n in nodes if n not in verdicts):  # a silent node: its share is hashed here
         verify_share(job, attempt, round, path, missing, nodes)

@@ -7,16 +7,20 @@ beats this node's heartbeat into the store and reads what other nodes said:
 a failure of this attempt anywhere tears the local ranks down at once; a
 stop asked on any node becomes this node's stop. The leader also judges the
 other nodes' heartbeats: a silent node's supervisor is a failure of the
-attempt ("node lost"). A client that cannot reach the store for
-:data:`LEADER_LOST_S` raises :class:`LeaderLost`. Per-node files (logs,
-lock, holder) live under ``RUN_DIR/nodes/node-<k>/``: one writer per file.
+attempt ("node lost"). Its sleep between polls waits on the attempt's
+failure key, so a failure on any node wakes every node in one round trip.
+A client that cannot reach the store for :data:`LEADER_LOST_S` raises
+:class:`LeaderLost`. Per-node files (logs, lock, holder) live under
+``RUN_DIR/nodes/node-<k>/``: one writer per file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +133,15 @@ class NodeWorld(LocalWorld):
         return super().run_env(attempt, resume_from).model_copy(update={"node": self.node, "memory_fetch": fetch})
 
     # --- observing ---
+
+    def sleep(self, seconds: float) -> None:
+        """Between two polls: a failure of this attempt reported on any node ends the sleep at once (the next
+        poll reads it); once this node has read it, or without the store, a plain sleep."""
+        until = time.monotonic() + seconds
+        with contextlib.suppress(StoreUnreachable):  # the next poll's sync counts how long it is unreachable
+            if self.job.wait_for_failure(self.attempt, seconds):
+                return
+        super().sleep(max(0.0, until - time.monotonic()))
 
     def observe(self) -> Observation:
         obs = super().observe()
