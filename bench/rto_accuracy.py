@@ -18,13 +18,16 @@ Scenarios (``--scenarios``, comma-separated):
   hang       a rank silent after step --steps − 48 with --heartbeat-timeout 5s: detection is the heartbeat
              timeout + the stack-dump wait (the estimate's ``rto_hang_s``)
   memory     the kill, with --memory-every-steps 2: the restore is from the memory tier
+  s3         the kill, with --ckpt-dir s3://… on a local moto_server (127.0.0.1): snapshots published in the
+             object store; the restore takes the verified local staging copy (as by default)
+  local-cache  the s3 kill, with --local-cache DIR: the restore reads the node's verified cache
   node-loss  two nodes and a hot spare on 127.0.0.1 (one rank each): node 1's rank hangs after step --steps − 48
              and its launcher is SIGKILLed; the leader judges the node lost after the node timeout
              (30 s here: the heartbeat timeout 60 s, capped) and promotes the spare, whose first attempt goes
              through the standby it kept warm (``rto_node_loss_s``;
              the predicted detect is the node timeout + the spare's promotion)
 
-    python bench/rto_accuracy.py [--scenarios kill,hang,memory] [--repeats 3] [--nproc 2] [--json]
+    python bench/rto_accuracy.py [--scenarios kill,hang,memory,s3,local-cache,node-loss] [--repeats 3] [--nproc 2] [--json]
 
 --json prints ``{"scenarios": {"kill": {"ratio": {"median", "min", "max", "samples"}, "components":
 {part: {"predicted", "measured"}}, "repeats": [...]}, …}, "load": […]}``. Snapshots are a few MiB and
@@ -67,7 +70,24 @@ SCENARIOS = {
     "kill": Scenario("kill", (), "kill:rank={rank}:step={step}"),
     "hang": Scenario("hang", ("--heartbeat-timeout", "5s"), "hang:rank={rank}:step={step}", total_key="rto_hang_s"),
     "memory": Scenario("memory", ("--memory-every-steps", "2"), "kill:rank={rank}:step={step}"),
+    "s3": Scenario("s3", ("--ckpt-dir", "{s3}"), "kill:rank={rank}:step={step}"),
+    "local-cache": Scenario("local-cache", ("--ckpt-dir", "{s3}", "--local-cache", "{run_dir}-cache"),
+                            "kill:rank={rank}:step={step}"),
 }
+OBJECT_STORE = ("s3", "local-cache")  # scenarios that need the moto server
+BUCKET = "ckptrun-rto-bench"
+
+
+def start_object_store(scratch: Path):
+    """A moto S3 server on 127.0.0.1 for the object-store scenarios, its client environment in ours (the
+    launches inherit it, as a user's credentials and endpoint reach ckptrun); the server process."""
+    import boto3
+    from object_store import CREDENTIALS, start_server
+
+    process, endpoint = start_server(scratch / "moto.log")
+    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint, FSSPEC_S3_ENDPOINT_URL=endpoint)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    return process
 
 
 def ckptrun(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -79,8 +99,9 @@ def ckptrun(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def launch(run_dir: Path, scenario: Scenario, nproc: int, steps: int, fault: str | None, budget: bool = False) -> None:
     """``budget``: with --rto-budget, so the launch makes its own estimate while it trains (the same model)."""
+    where = {"s3": f"s3://{BUCKET}/{run_dir.name}", "run_dir": str(run_dir)}
     flags = ["launch", "--nproc-per-node", str(nproc), "--save-every-steps", "5", "--threads", "1",
-             "--run-dir", str(run_dir), "--name", run_dir.name, *scenario.flags]
+             "--run-dir", str(run_dir), "--name", run_dir.name, *(flag.format(**where) for flag in scenario.flags)]
     flags += ["--inject-fault", fault.format(rank=nproc - 1, step=steps - FAULT_BEFORE_END)] if fault else []
     flags += ["--rto-budget", "1h"] if budget else []
     ckptrun(*flags, "--", "--steps", str(steps))
@@ -215,13 +236,13 @@ def report(document: dict) -> None:
     load = document["load"]
     print(f"world size {document['nproc']}; snapshots just written (page-cached); {document['repeats']} repeats per "
           f"scenario; load average {load[0]:.1f} before, {load[1]:.1f} after on {os.cpu_count()} CPUs\n")
-    print(f"{'scenario':<9} {'measured':>9} {'predicted':>9}  {'ratio median (min..max)':<24} goal 0.75..1.25")
+    print(f"{'scenario':<11} {'measured':>9} {'predicted':>9}  {'ratio median (min..max)':<24} goal 0.75..1.25")
     for name, s in document["scenarios"].items():
         m = statistics.median(r["measured_s"] for r in s["repeats"])
         p = statistics.median(r["predicted_s"] for r in s["repeats"])
         r = s["ratio"]
         launched = s["in_launch_ratio"]
-        print(f"{name:<9} {m:>8.2f}s {p:>8.2f}s  {r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f}){'':<8} "
+        print(f"{name:<11} {m:>8.2f}s {p:>8.2f}s  {r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f}){'':<8} "
               f"{'PASS' if s['within_goal'] else 'MISS'}"
               + (f"   launch --rto-budget's own estimate: ratio {launched['median']:.2f}" if launched else ""))
     print("\nper component, median seconds (predicted | measured):")
@@ -245,7 +266,10 @@ def main() -> None:
         parser.error(f"unknown scenario {unknown[0]!r}: pick from {', '.join(SCENARIOS)}")
     load = os.getloadavg()[0]
     results: dict[str, list[dict]] = {name: [] for name in chosen}
-    with tempfile.TemporaryDirectory(prefix="ckptrun-rto-bench-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="ckptrun-rto-bench-") as scratch, contextlib.ExitStack() as cleanup:
+        if set(chosen) & set(OBJECT_STORE):
+            server = start_object_store(Path(scratch))
+            cleanup.callback(lambda: (server.kill(), server.wait()))
         for index in range(args.repeats):  # scenarios interleaved within each repeat
             for name in chosen:
                 print(f"repeat {index + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
