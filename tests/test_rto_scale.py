@@ -15,7 +15,6 @@ import pytest
 
 from ckptrun.cli.recovery_budget import rto_scale
 from ckptrun.cli.recovery_budget.rto_model import daly, goodput
-from ckptrun.cli.supervision.policy import Timeouts
 from ckptrun.runtime.checkpoint.verified_read import HASH_THREADS
 from workers import run_job
 
@@ -59,11 +58,11 @@ def test_each_part_follows_its_model(nodes: int) -> None:
     scales with the bytes per rank; the MTBF is the node's ÷ N, and Daly and goodput follow from them."""
     state, gpus, trip, cpus = 100 * GB, 8, 50e-6, 16
     p = rto_scale.project(_measured(), RESTORE, nodes, gpus, state, 365 * 86400.0, trip, cpus=cpus)
-    parts, per_node, ranks, poll = p["components"], state / nodes, nodes * gpus, Timeouts().poll
+    parts, per_node, ranks = p["components"], state / nodes, nodes * gpus
     assert {name: c["mark"] for name, c in parts.items()} == {
         "detect": "measured", "teardown": "modelled", "verify": "modelled", "backoff": "configured", "restart": "modelled"}
     assert parts["detect"]["value_s"] == 0.25
-    assert parts["teardown"]["value_s"] == pytest.approx(0.3 + 4 * poll + 4 * nodes * trip)
+    assert parts["teardown"]["value_s"] == pytest.approx(0.3 + 4 * nodes * trip)  # each hop woken by its key
     assert parts["verify"]["value_s"] == pytest.approx(0.5 * per_node / GB)
     threads = min(cpus, gpus * HASH_THREADS)
     restore = max(per_node / (2 * GB), per_node / (0.5 * GB * threads))

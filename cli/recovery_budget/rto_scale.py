@@ -15,15 +15,15 @@ and ``modelled`` otherwise, with its model in ``how``:
 - verify: the supervisor's share of that node's files at the rule it applies
   (manifest and sizes: unchanged per node; whole-file digests: S/N at the
   rate measured on this snapshot);
-- the leader's decisions: a failure reaches every node in four poll hops (a
+- the leader's decisions: a failure reaches every node in four hops (a
   node sees the failure, the leader sees every teardown acknowledgement, the
-  nodes see the verify request, the nodes see the next attempt); the leader
-  reads each family of per-node keys in a constant number of requests
-  (:mod:`ckptrun.cli.supervision.job_store`), but in each hop the one store
-  serves every node's poll in series: 4 polls + 4·N round trips, added to
-  teardown. ``bench/control_plane.py`` runs the real leader against N
-  simulated nodes: 0.61 s at 8 nodes here (the model: 0.80 s), 1.9 s at
-  1,024 with all 1,024 nodes' CPU on 2 cores;
+  nodes see the verify request, the nodes see the next attempt); each waiter
+  blocks on the key it expects, so a hop ends with its writer's key, not at a
+  poll (:mod:`ckptrun.cli.supervision.job_store`), but in each hop the one
+  store serves every node's read in series: 4·N round trips, added to
+  teardown — a lower bound. ``bench/control_plane.py`` runs the real leader
+  against N simulated nodes: 0.016 s at 8 nodes here (the model: 2 ms), 1.4 s
+  (p50) at 1,024 with all 1,024 nodes' CPU on 2 cores;
 - process-group start-up: every one of the N·G ranks makes at least two round
   trips to the one rendezvous store (its own key, the shared id), served in
   series — a lower bound: NCCL's communicator set-up on GPUs is not modelled
@@ -46,7 +46,6 @@ from typing import Any
 
 from ckptrun.cli.durations import format_duration as fmt
 from ckptrun.cli.recovery_budget.rto_model import daly, goodput
-from ckptrun.cli.supervision.policy import Timeouts
 from ckptrun.runtime.checkpoint.verified_read import HASH_THREADS
 
 MEASURED, MODELLED, CONFIGURED = "measured", "modelled", "configured"  # configured: the restart policy
@@ -91,7 +90,6 @@ def project(document: dict[str, Any], restore: dict[str, Any], nodes: int, gpus_
     per_node, per_rank = state_bytes / nodes, state_bytes / ranks
     here_bytes, here_world = document["snapshot"]["bytes"], document["snapshot"]["world_size"]
     here_per_rank = here_bytes / max(1, here_world)
-    poll = Timeouts().poll
     parts: dict[str, dict[str, Any]] = {}
 
     def part(name: str, value: float | None, mark: str, how: str) -> None:
@@ -100,12 +98,12 @@ def project(document: dict[str, Any], restore: dict[str, Any], nodes: int, gpus_
     detect = here["detect"]
     part("detect", detect["value_s"], MEASURED, f"a node finds its own crashed rank as here ({detect['source']}: "
          f"{detect['detail'].split(';')[0]})")
-    decisions = DECISION_HOPS * poll + DECISION_HOPS * nodes * round_trip_s
+    decisions = DECISION_HOPS * nodes * round_trip_s
     teardown_here = here["teardown"]["value_s"]
     part("teardown", None if teardown_here is None else teardown_here + decisions, MODELLED,
          f"this node's teardown {fmt(teardown_here or 0)} (measured; every node at once) + the leader's decisions "
-         f"{fmt(decisions)} = {DECISION_HOPS} poll hops of {fmt(poll)} + {DECISION_HOPS} × {nodes} nodes' polls served by the "
-         f"one store at {round_trip_s * 1e6:.0f} µs a round trip (measured now on loopback)")
+         f"{fmt(decisions)} = {DECISION_HOPS} hops, each woken by its key, of {nodes} nodes' reads served by the one "
+         f"store at {round_trip_s * 1e6:.0f} µs a round trip (measured now on loopback; a lower bound)")
     part("verify", _verify(here["verify"], here_bytes, per_node), MODELLED if here["verify"].get("rule") != "manifest-and-sizes"
          else MEASURED, _verify_words(here["verify"], per_node))
     part("backoff", here["backoff"]["value_s"], CONFIGURED, f"the restart policy's, as here ({here['backoff']['detail']})")
