@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,7 @@ from common import load_average
 from rto_accuracy import free_port, measured_restart, reached
 
 import ckptrun.templates
-from ckptrun.cli.supervision.attempt import processes_of_run
+from ckptrun.cli.supervision.attempt import kill_all, processes_of_run
 from ckptrun.runtime.records import read_events, read_metrics
 
 TEMPLATES = Path(ckptrun.templates.__file__).parent
@@ -132,18 +131,13 @@ def job_command(args: argparse.Namespace) -> list[str]:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant (children first found, so none is reparented unseen)."""
+    """SIGKILL a process and every descendant, found before any dies (none is reparented unseen): the
+    supervisor's own ``kill_all``."""
     try:
         root = psutil.Process(pid)
-        family = [root, *root.children(recursive=True)]
+        kill_all([root, *root.children(recursive=True)], wait=10.0)
     except psutil.NoSuchProcess:
         return
-    for process in family:
-        try:
-            process.send_signal(signal.SIGKILL)
-        except psutil.Error:
-            pass
-    psutil.wait_procs(family, timeout=10)
 
 
 def wait_until(condition, timeout_s: float, what: str, cluster: Cluster) -> None:

@@ -16,8 +16,10 @@ import sys
 import time
 import urllib.request
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
@@ -93,3 +95,21 @@ def start_server(log: Path, timeout: float = 60.0) -> S3Server:
             time.sleep(0.1)
     kill_tree(process.pid)
     raise RuntimeError(f"moto_server did not answer on {endpoint} within {timeout:g}s; see {log}")
+
+
+@contextmanager
+def serving(log: Path) -> Iterator[S3Server]:
+    """A server whose client environment this process (and so every launch it spawns) has while it runs; the
+    environment is put back and the server killed after."""
+    server = start_server(log)
+    saved = {key: os.environ.get(key) for key in server.env}
+    server.apply()
+    try:
+        yield server
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -175,18 +175,10 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory):
     """A real S3 endpoint (moto_server on loopback) whose client environment the launchers inherit."""
-    from s3_server import start_server
+    from s3_server import serving
 
-    server = start_server(tmp_path_factory.mktemp("moto") / "moto.log")
-    saved = {key: os.environ.get(key) for key in server.env}
-    server.apply()
-    yield server
-    server.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with serving(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        yield server
 
 
 @pytest.mark.timeout(420)

@@ -8,7 +8,6 @@ is shared by the module.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from ckptrun.runtime.checkpoint.retention import apply_remote_retention
 from ckptrun.runtime.checkpoint.tiering import LOCAL, REMOTE, choose
 from ckptrun.runtime.checkpoint.verify import verify_remote_dir
 from ckptrun.cli import store_location
-from s3_server import S3Server, free_port, start_server
+from s3_server import S3Server, free_port, serving
 from snapshot_factory import flip_byte
 from workers import run_id_for, run_job, shared_tensors
 
@@ -34,16 +33,8 @@ FAST = ("--num-workers", "0", "--hidden", "128")
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory) -> S3Server:
-    server = start_server(tmp_path_factory.mktemp("moto") / "moto.log")
-    saved = {key: os.environ.get(key) for key in server.env}
-    server.apply()
-    yield server
-    server.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with serving(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        yield server
 
 
 def job(run_dir: Path, url: str, steps: int = 12, **fields):
