@@ -132,12 +132,12 @@ class Manifest(BaseModel):
     def verified_as_loaded(self) -> bool:
         """Whether a load checks every byte it reads against this manifest: every DCP data file has chunk
         digests (schema 3). Then a pre-load check needs only manifest and sizes; else it hashes whole files."""
-        data = [entry for entry in self.files if entry.path.endswith(".distcp")]
+        data = [entry for entry in self.files if is_data_file(entry.path)]
         return self.schema_version >= 3 and bool(data) and all(entry.chunks is not None for entry in data)
 
     def sharding_problems(self) -> list[str]:
         """What a sharded (schema 2) manifest gets wrong about who wrote what: each DCP data file
-        ``__R_N.distcp`` and per-rank file names its writer rank R, below the world size."""
+        ``__R_N.safetensors`` (``.distcp``) and per-rank file names its writer rank R, below the world size."""
         if self.schema_version < 2:
             return []
         problems = []
@@ -206,10 +206,20 @@ def read_framework_manifest(path: Path) -> FrameworkManifest:
         raise ManifestError(f"{path}: invalid at {where}: {first['msg']}") from None
 
 
+DATA_SUFFIXES = (".safetensors", ".distcp")  # a rank's DCP data file: raw tensor files, or (older) torch.save items
+
+
+def is_data_file(path: str) -> bool:
+    """Whether a listed file is one of DCP's data files (``dcp/__R_N.safetensors``, older ``.distcp``): the
+    files whose digests are kept per chunk."""
+    return path.startswith("dcp/") and path.endswith(DATA_SUFFIXES)
+
+
 def _named_rank(path: str) -> int | None:
-    """The rank a file's name says wrote it: DCP's ``__R_N.distcp`` and our ``rank-R.*``; None for shared files."""
+    """The rank a file's name says wrote it: a DCP data file ``__R_N.safetensors`` (``.distcp`` before raw
+    tensor files) and our ``rank-R.*``; None for shared files."""
     name = PurePosixPath(path).name
-    match = re.fullmatch(r"__(\d+)_\d+\.distcp|rank-(\d+)\.\w+", name)
+    match = re.fullmatch(r"__(\d+)_\d+\.(?:safetensors|distcp)|rank-(\d+)\.\w+", name)
     return int(match.group(1) or match.group(2)) if match else None
 
 

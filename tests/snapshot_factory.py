@@ -46,11 +46,11 @@ def make_chunked_snapshot(ckpt_dir: Path, step: int, parent: str | None = None, 
                           data: bytes = bytes(range(256)) * 16) -> Path:
     """A snapshot whose DCP data file (``data``) has chunk digests (schema 3): a pre-load check of it reads sizes
     only, because the loader hashes every chunk it reads (``Manifest.verified_as_loaded``)."""
-    path = make_snapshot(ckpt_dir, step, {**default_files(step), "dcp/__0_0.distcp": data}, parent=parent)
+    path = make_snapshot(ckpt_dir, step, {**default_files(step), "dcp/__0_0.safetensors": data}, parent=parent)
     manifest = read_manifest(path)
     entries = []
     for entry in manifest.files:
-        if entry.path.endswith(".distcp"):
+        if entry.path.startswith("dcp/") and entry.path.endswith(".safetensors"):
             data = (path / entry.path).read_bytes()
             chunks = [Chunk(offset=o, length=min(chunk, len(data) - o),
                             digest=hashlib.sha256(data[o:o + chunk]).hexdigest()) for o in range(0, len(data), chunk)]

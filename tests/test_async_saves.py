@@ -91,13 +91,13 @@ def test_blake3_manifests_verify_and_catch_corruption(tmp_path):
     assert {f.algorithm for f in read_manifest(snapshot).files} == {"blake3"}
     verify = [sys.executable, "-m", "ckptrun.cli.main", "verify", str(snapshot), "--json"]
     assert subprocess.run(verify, capture_output=True).returncode == 0
-    target = snapshot / "dcp" / "__0_0.distcp"
+    target = snapshot / "dcp" / "__0_0.safetensors"
     data = bytearray(target.read_bytes())
     data[-10] ^= 1
     target.write_bytes(bytes(data))
     result = subprocess.run(verify, capture_output=True, text=True)
     assert result.returncode == 1
-    assert "dcp/__0_0.distcp: blake3" in json.dumps(json.loads(result.stdout))
+    assert "dcp/__0_0.safetensors: blake3" in json.dumps(json.loads(result.stdout))
 
 
 # --- the paced background writer (runtime.pacing) ------------------------------------------------
@@ -152,7 +152,7 @@ if kill:  # a second save, SIGKILLed once its data file is partly written
     save(2)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not results[1:]:
-        data = [p for e in store.list_entries(ckpt) if e.kind == "temp" for p in e.path.rglob("*.distcp")]
+        data = [p for e in store.list_entries(ckpt) if e.kind == "temp" for p in e.path.rglob("*.safetensors")]
         if data and 0 < data[0].stat().st_size:
             print(json.dumps({"killed_at": data[0].stat().st_size}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -23,7 +23,7 @@ from ckptrun.runtime.checkpoint import snapshot
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.dcp_io import load_metadata
 from ckptrun.runtime.hashing import SUB_CHUNK, HashingWriter, chunks_digest, entry_hasher, hash_file
-from ckptrun.runtime.manifest import read_manifest
+from ckptrun.runtime.manifest import is_data_file, read_manifest
 from ckptrun.runtime.records import losses_by_attempt, read_events
 from ckptrun.runtime.checkpoint.saver import Saver
 from ckptrun.runtime.checkpoint.verify import verify_snapshot
@@ -72,6 +72,11 @@ def chunks_of_items(snapshot_dir: Path) -> dict[str, list[tuple[int, int]]]:
     return found
 
 
+def header_length(snapshot_dir: Path, relative: str) -> int:
+    """Where a raw data file's first tensor starts: the bytes of its header (length and JSON)."""
+    return 8 + int.from_bytes((snapshot_dir / relative).read_bytes()[:8], "little")
+
+
 def item_only(path: Path) -> None:
     """Rewrite a snapshot's manifest as written before sub-chunks: schema 3, one chunk per DCP item."""
     document = manifest_dict(path)
@@ -80,6 +85,7 @@ def item_only(path: Path) -> None:
             data = (path / entry["path"]).read_bytes()
             items = sorted((offset, length) for name, offset, length in item_ranges(path).values()
                            if f"dcp/{name}" == entry["path"])
+            items.insert(0, (0, header_length(path, entry["path"])))
             entry["chunks"] = [{"offset": o, "length": n, "digest": hashlib.sha256(data[o:o + n]).hexdigest()}
                                for o, n in items]
             entry["digest"] = chunks_digest("sha256", [(c["offset"], c["length"], c["digest"]) for c in entry["chunks"]])
@@ -93,9 +99,10 @@ def test_each_data_file_is_chunked_by_item_and_its_digest_is_the_chunk_lists(sav
     path, _ = saved
     manifest = read_manifest(path)
     assert manifest.schema_version == 3 and manifest.verified_as_loaded
-    data_files = [e for e in manifest.files if e.path.endswith(".distcp")]
+    data_files = [e for e in manifest.files if is_data_file(e.path)]
     assert data_files and all(e.chunks is None for e in manifest.files if e not in data_files), "small files stay whole"
     stored = {(f"dcp/{name}", offset, length) for name, offset, length in item_ranges(path).values()}
+    stored |= {(e.path, 0, header_length(path, e.path)) for e in data_files}  # each file's header: a chunk too
     assert {(e.path, c.offset, c.length) for e in data_files for c in e.chunks} == stored, "small items: one chunk each"
     for entry in data_files:
         data = (path / entry.path).read_bytes()
@@ -214,7 +221,7 @@ def test_load_checks_each_item_as_it_reads_it(saved):
     assert f"dcp/{name}: sha256" in problems and f"of bytes {offset}..{offset + length}" in problems
 
 
-@pytest.mark.parametrize("relative", ["state.json", "rank-00000.pt", "dcp/.metadata"])
+@pytest.mark.parametrize("relative", ["state.json", "rank-00000.safetensors", "dcp/metadata.json"])
 def test_load_checks_the_small_files_it_reads(saved, relative):
     path, _ = saved
     flip_byte(path / relative, 2)
@@ -236,7 +243,7 @@ def test_a_schema_2_manifest_still_verifies_whole_and_loads(saved):
     report = verify_snapshot(path, at_load=True)
     assert report.ok and not report.deferred, "older snapshots are hashed whole before a load"
     assert all(torch.equal(snapshot.load(path).shared_tensors[k], tensors[k]) for k in tensors)
-    flip_byte(path / "dcp" / "__0_0.distcp")
+    flip_byte(path / "dcp" / "__0_0.safetensors")
     assert not verify_snapshot(path, at_load=True).ok
 
 
@@ -255,7 +262,7 @@ def test_manifest_refuses_chunks_that_do_not_tile_the_file(saved):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("relative", ["dcp/__0_0.distcp", "rank-00000.json"])
+@pytest.mark.parametrize("relative", ["dcp/__0_0.safetensors", "rank-00000.json"])
 def test_ckptrun_verify_catches_a_flipped_byte(saved, relative):
     import subprocess
     import sys
@@ -287,7 +294,7 @@ def test_a_corrupt_chunk_only_rank_1_reads_fails_the_load_on_both_ranks_and_fall
     step8 = ckpt / "step-000000008"
     metadata = load_metadata(step8 / "dcp")
     index, info = next((i, s) for i, s in metadata.storage_data.items()
-                       if s.relative_path == "__1_0.distcp" and i.fqn.endswith("exp_avg") and any(i.offset))
+                       if s.relative_path == "__1_0.safetensors" and i.fqn.endswith("exp_avg") and any(i.offset))
     flip_byte(step8 / "dcp" / info.relative_path, info.offset + info.length // 2)
     assert verify_snapshot(step8, at_load=True).deferred, "sizes unchanged: only the load can catch it"
 
@@ -298,7 +305,7 @@ def test_a_corrupt_chunk_only_rank_1_reads_fails_the_load_on_both_ranks_and_fall
     assert [Path(e["snapshot"]).name for e in failed] == ["step-000000008"]
     reason = failed[0]["reason"]
     assert "rank 1: DigestMismatch" in reason and "rank 0" not in reason, reason
-    assert f"dcp/__1_0.distcp bytes {info.offset}..{info.offset + info.length} (tensor {index.fqn!r})" in reason
+    assert f"dcp/__1_0.safetensors bytes {info.offset}..{info.offset + info.length} (tensor {index.fqn!r})" in reason
     assert [e["step"] for e in read_events(run_dir, "restored") if e["attempt"] == 2] == [4], "both ranks fell back"
     expected = losses_by_attempt(run_dir)[1]
     assert losses_by_attempt(run_dir)[2] == {step: expected[step] for step in range(5, 13)}

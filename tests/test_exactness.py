@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptrun.runtime.checkpoint import tensor_file
+
 from ckptrun.runtime.records import losses_by_attempt, read_events
 from workers import run_job, shared_tensors
 
@@ -103,8 +105,8 @@ def assert_same_snapshot_state(a: Path, b: Path) -> None:
     assert json.loads((a / "state.json").read_text()) == json.loads((b / "state.json").read_text())
     for rank in (0, 1):
         assert (a / f"rank-{rank:05d}.json").read_text() == (b / f"rank-{rank:05d}.json").read_text()
-        rng_a = torch.load(a / f"rank-{rank:05d}.pt", weights_only=True)
-        rng_b = torch.load(b / f"rank-{rank:05d}.pt", weights_only=True)
+        rng_a = tensor_file.decode((a / f"rank-{rank:05d}.safetensors").read_bytes())
+        rng_b = tensor_file.decode((b / f"rank-{rank:05d}.safetensors").read_bytes())
         assert all(torch.equal(rng_a[k], rng_b[k]) for k in rng_a)
 
 

@@ -197,21 +197,20 @@ def test_fsdp2_ranks_start_from_init_weights_each_holding_its_shard_of_them(tmp_
 
 
 def test_a_snapshots_dcp_dir_loads_with_torchs_own_tools(gpt2_snapshot: Path, tmp_path: Path) -> None:
-    """Interoperability without ckptrun: torch's ``dcp_to_torch_save`` and ``dcp.load`` with its default reader
-    read the snapshot's ``dcp/`` to the same tensors the runtime's safe reader returns."""
+    """Interoperability without ckptrun: each data file of ``dcp/`` is a safetensors file (``safe_open`` reads it
+    with the model's own names), and ``dcp.load`` through torch's own ``HuggingFaceStorageReader`` reads the
+    whole directory to the same tensors the runtime's safe reader returns. (``dcp_to_torch_save`` needs the
+    pickled ``.metadata`` this format no longer writes: ``ckptrun export -o all.pt`` is that conversion.)"""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from safetensors import safe_open
 
-    from ckptrun.runtime.checkpoint.dcp_io import allocate_from_metadata, load_metadata
     from workers import shared_tensors
 
     want = shared_tensors(gpt2_snapshot)
     assert any(key.endswith("wte.weight") for key in want), sorted(want)[:5]
-    converted = tmp_path / "all.pt"
-    dcp_to_torch_save(gpt2_snapshot / "dcp", converted)
-    flat = torch.load(converted, weights_only=True)
-    assert set(want) <= set(flat) and all(torch.equal(flat[k], want[k]) for k in want)
-    metadata = load_metadata(gpt2_snapshot / "dcp")
-    loaded = allocate_from_metadata(metadata, list(want))
-    dcp.load(loaded, storage_reader=dcp.FileSystemReader(gpt2_snapshot / "dcp"), no_dist=True)
+    [data_file] = sorted((gpt2_snapshot / "dcp").glob("*.safetensors"))
+    with safe_open(str(data_file), framework="pt") as opened:
+        assert set(want) <= set(opened.keys()) and all(torch.equal(opened.get_tensor(k), want[k]) for k in want)
+    loaded = {key: torch.empty_like(value) for key, value in want.items()}
+    dcp.load(loaded, storage_reader=dcp.HuggingFaceStorageReader(str(gpt2_snapshot / "dcp")), no_dist=True)
     assert all(torch.equal(loaded[k], want[k]) for k in want)

@@ -347,7 +347,7 @@ def test_a_flipped_byte_in_the_replica_is_caught_on_arrival_and_the_restart_afte
     flags = ["--save-every-steps", "10"]
     _lose_node_1(pair, tmp_path, flags)
     replica = tmp_path / "ram-node0" / "replicas" / "node1" / "step-000000016"
-    data = next(p for p in sorted((replica / "dcp").glob("*.distcp")) if p.stat().st_size > 100)
+    data = next(p for p in sorted((replica / "dcp").glob("*.safetensors")) if p.stat().st_size > 100)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))

@@ -141,7 +141,7 @@ def test_kill_during_upload_leaves_no_manifest_and_restore_uses_the_previous(tmp
     store = open_store(url)
     prefixes = {p.step: p for p in store.prefixes()}
     assert prefixes[5].committed and not prefixes[10].committed, "every object of step 10 is up, its manifest is not"
-    assert set(prefixes[10].objects) >= {"state.json", "dcp/__0_0.distcp"}
+    assert set(prefixes[10].objects) >= {"state.json", "dcp/__0_0.safetensors"}
     statuses = {r.step: r.status for r in verify_remote_dir(store)}
     assert statuses == {5: "ok", 10: "in-progress"}
     picked = choose(store, tmp_path / "cache")
@@ -155,7 +155,7 @@ def test_kill_during_upload_leaves_no_manifest_and_restore_uses_the_previous(tmp
 def test_a_changed_object_is_caught_by_verify_and_skipped_by_restore(tmp_path, s3, reference, damage):
     store = open_store(copy_bucket(reference[1], s3))
     newest = chain(store.published())[-1]
-    path = store.url.join(newest.name, "dcp/__0_0.distcp")
+    path = store.url.join(newest.name, "dcp/__0_0.safetensors")
     data = bytearray(store.fs.cat_file(path))
     if damage == "flipped-byte":
         data[len(data) // 2] ^= 0x01
@@ -163,7 +163,7 @@ def test_a_changed_object_is_caught_by_verify_and_skipped_by_restore(tmp_path, s
     result = cli("verify", store.where, "--json")
     assert result.returncode == 1, result.stderr
     report = {s["step"]: s for s in json.loads(result.stdout)["snapshots"]}
-    assert report[12]["status"] == "corrupt" and "dcp/__0_0.distcp" in " ".join(report[12]["problems"])
+    assert report[12]["status"] == "corrupt" and "dcp/__0_0.safetensors" in " ".join(report[12]["problems"])
     assert report[10]["status"] == "ok"
     said: list[str] = []
     picked = choose(store, tmp_path / "cache", log=said.append)
@@ -265,7 +265,7 @@ def test_a_local_copy_damaged_at_load_is_fetched_again_from_s3_and_the_resume_is
     whole before the load."""
     run_dir, url = tmp_path / "run", copy_bucket(killed_tiered[1], s3)
     shutil.copytree(killed_tiered[0], run_dir)
-    flip_byte(run_dir / "cache" / "step-000000005" / "dcp" / "__0_0.distcp")
+    flip_byte(run_dir / "cache" / "step-000000005" / "dcp" / "__0_0.safetensors")
     resumed = job(run_dir, url, ckpt_dir=run_dir / "cache", local_cache=True, attempt=2, run_id=run_id_for(killed_tiered[0]))
     assert resumed.returncode == 0, resumed.stderr
     sources = [(e["source"], e["step"]) for e in read_events(run_dir, "restore_source") if e.get("attempt", 2) == 2][-2:]

@@ -51,7 +51,7 @@ def test_a_replica_arrives_byte_for_byte_and_a_flipped_byte_is_rejected_naming_i
     size = int(PIECE * 2.5)
     good = _chunked(tmp_path / "a", 4, size, 4 * 2**20)
     bad = _chunked(tmp_path / "b", 6, size, 4 * 2**20)
-    data = bad / "dcp" / "__0_0.distcp"
+    data = bad / "dcp" / "__0_0.safetensors"
     flipped = bytearray(data.read_bytes())
     flipped[PIECE + 12345] ^= 0x01
     data.write_bytes(bytes(flipped))
@@ -67,7 +67,7 @@ def test_a_replica_arrives_byte_for_byte_and_a_flipped_byte_is_rejected_naming_i
     assert (replica / MANIFEST_NAME).read_bytes() == (good / MANIFEST_NAME).read_bytes()
     start = (PIECE + 12345) // (4 * 2**20) * 4 * 2**20
     assert second["path"] is None and second["step"] == 6
-    assert f"dcp/__0_0.distcp: bytes {start}..{start + 4 * 2**20}" in second["problem"], second
+    assert f"dcp/__0_0.safetensors: bytes {start}..{start + 4 * 2**20}" in second["problem"], second
     assert sorted(p.name for p in (tmp_path / "replicas").iterdir()) == ["step-000000004"], "nothing else is left"
 
 

@@ -19,11 +19,11 @@ FAST = ("--num-workers", "0", "--hidden", "128")
 
 def make_unloadable(snapshot: Path) -> None:
     """Garbage in the rank's tensor file, with the manifest updated so that the snapshot still verifies."""
-    target = snapshot / "rank-00000.pt"
+    target = snapshot / "rank-00000.safetensors"
     target.write_bytes(b"not a torch file" * 8)
     size, digest = hash_file(target, "sha256")
     document = json.loads((snapshot / "manifest.json").read_text())
-    next(f for f in document["files"] if f["path"] == "rank-00000.pt").update(size=size, digest=digest)
+    next(f for f in document["files"] if f["path"] == "rank-00000.safetensors").update(size=size, digest=digest)
     (snapshot / "manifest.json").write_text(json.dumps(document))
 
 

@@ -82,10 +82,12 @@ def test_files_are_durable_before_the_manifest_which_is_durable_before_the_renam
     assert when[str(final.parent)] > rename_at, "the parent is fsynced after the rename"
 
 
-def test_snapshot_files_carry_no_zip_crc_yet_load_and_the_option_is_restored(tmp_path):
+def test_snapshot_files_carry_no_zip_crc_yet_load_and_the_option_is_restored(tmp_path, monkeypatch):
+    """Snapshots in the format before raw tensor files (``torch.save``): no CRC pass, still load."""
+    monkeypatch.setattr(snapshot.LEGACY, "on", True)
     result = save(tmp_path / "ckpt", 1)
     assert torch.serialization.get_crc32_options() is True, "torch.save's CRC option is back once the save is done"
-    infos = zipfile.ZipFile(result.path / snapshot.rank_tensors(0)).infolist()
+    infos = zipfile.ZipFile(result.path / snapshot.rank_tensors(0, legacy=True)).infolist()
     assert infos and all(info.CRC == 0 for info in infos), "our digests cover these bytes; no CRC pass"
     loaded = snapshot.load(result.path)
     torch.manual_seed(1)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptrun.runtime.checkpoint import snapshot, train_state
+
+from ckptrun.runtime.checkpoint import snapshot, tensor_file, train_state
 from ckptrun.runtime.checkpoint.dcp_io import load_metadata
 from ckptrun.runtime.manifest import MANIFEST_NAME, read_manifest
 from ckptrun.runtime.records import losses_by_attempt, read_events
@@ -58,13 +59,13 @@ def test_fsdp2_killed_and_resumed_is_bitwise_identical(fsdp_reference, tmp_path,
     assert ref.keys() == got.keys() and any(k.endswith(".exp_avg_sq") for k in ref), "every shard and moment stored"
     assert [k for k in ref if not torch.equal(ref[k], got[k])] == []
     for rank in (0, 1):
-        name = f"rank-{rank:05d}.pt"
-        rng_ref, rng_got = (torch.load(d / FINAL / name, weights_only=True) for d in (fsdp_reference, run_dir))
+        name = f"rank-{rank:05d}.safetensors"
+        rng_ref, rng_got = (tensor_file.decode((d / FINAL / name).read_bytes()) for d in (fsdp_reference, run_dir))
         assert all(torch.equal(rng_ref[k], rng_got[k]) for k in rng_ref)
 
 
 def items_written_by_rank(snapshot_dir: Path) -> dict[int, int]:
-    """Tensor bytes of every DCP item, by the rank whose file stores it (``__R_0.distcp``)."""
+    """Tensor bytes of every DCP item, by the rank whose file stores it (``__R_0.safetensors``)."""
     metadata = load_metadata(snapshot_dir / "dcp")
     written: dict[int, int] = defaultdict(int)
     for index, info in metadata.storage_data.items():
@@ -114,14 +115,14 @@ def test_manifest_names_writer_ranks_and_global_shapes_and_verify_checks_them(fs
     manifest = read_manifest(final)
     assert manifest.schema_version == 3  # 2 added writer ranks and shapes, 3 chunk digests (test_chunk_digests.py)
     assert {f.path: f.rank for f in manifest.files if f.path.startswith("dcp/__")} == {
-        "dcp/__0_0.distcp": 0, "dcp/__1_0.distcp": 1}
+        "dcp/__0_0.safetensors": 0, "dcp/__1_0.safetensors": 1}
     assert manifest.tensors["model.0.weight"].shape == [32, 8] and manifest.tensors["model.0.weight"].dtype == "float32"
     assert verify_snapshot(final).ok
 
     lying = tmp_path / final.name
     shutil.copytree(final, lying)
     doc = json.loads((lying / MANIFEST_NAME).read_text())
-    next(f for f in doc["files"] if f["path"] == "dcp/__1_0.distcp")["rank"] = 0
+    next(f for f in doc["files"] if f["path"] == "dcp/__1_0.safetensors")["rank"] = 0
     (lying / MANIFEST_NAME).write_text(json.dumps(doc))
     assert any("writer rank 0" in p for p in verify_snapshot(lying).problems)
 

@@ -87,8 +87,8 @@ def set_path(document, old, new):
 
 
 CORRUPTIONS = {
-    "flipped-byte": (lambda s: flip_byte(s / "dcp" / "__0_0.distcp"), "corrupt", "dcp/__0_0.distcp: sha256"),
-    "truncated": (lambda s: (s / "rank-00000.pt").write_bytes((s / "rank-00000.pt").read_bytes()[:100]), "corrupt", "rank-00000.pt: size 100"),
+    "flipped-byte": (lambda s: flip_byte(s / "dcp" / "__0_0.safetensors"), "corrupt", "dcp/__0_0.safetensors: sha256"),
+    "truncated": (lambda s: (s / "rank-00000.safetensors").write_bytes((s / "rank-00000.safetensors").read_bytes()[:100]), "corrupt", "rank-00000.safetensors: size 100"),
     "missing-file": (lambda s: (s / "state.json").unlink(), "incomplete", "state.json: missing"),
     "garbage-manifest": (lambda s: (s / "manifest.json").write_text("{not json"), "corrupt", "manifest.json: invalid"),
     "schema-invalid": (lambda s: edit_manifest(s, lambda d: d.update(schema_version=99)), "corrupt", "schema version 99"),
@@ -114,7 +114,7 @@ def test_damaged_snapshot_is_caught_and_restore_falls_back(source_run, tmp_path,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("relative", ["rank-00000.pt", "dcp/.metadata"])
+@pytest.mark.parametrize("relative", ["rank-00000.safetensors", "dcp/metadata.json"])
 def test_malicious_pickle_with_matching_digest_never_runs(source_run, tmp_path, relative):
     run_dir = copy_run(source_run, tmp_path / "run")
     marker = tmp_path / "marker"
@@ -166,10 +166,10 @@ def test_retention_keeps_last_k_and_milestones(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 32 MiB tmpfs (room for one ~14 MB snapshot plus margin) where permitted, else None."""
+    """A 24 MiB tmpfs (room for one ~13 MB snapshot plus margin, not two) where permitted, else None."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount_point)], capture_output=True).returncode == 0
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount_point)], capture_output=True).returncode == 0
     yield mount_point if mounted else None
     if mounted:
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)

@@ -336,13 +336,13 @@ def test_a_restart_checks_the_local_copy_by_sizes_and_a_copy_damaged_at_load_is_
     source = SnapshotSource(tmp_path / "cache", remote, lambda _: None, lambda name, **f: events.append(f), ONCE)
     assert source.newest().step == 10 and events[-1]["source"] == "remote"
     copy = tmp_path / "cache" / snapshot_name(10)
-    data = bytearray((copy / "dcp/__0_0.distcp").read_bytes())
+    data = bytearray((copy / "dcp/__0_0.safetensors").read_bytes())
     data[700] ^= 0x01
-    (copy / "dcp/__0_0.distcp").write_bytes(bytes(data))
+    (copy / "dcp/__0_0.safetensors").write_bytes(bytes(data))
     restored = source.newest()
     assert (restored.path, restored.step, events[-1]["source"]) == (copy, 10, "local-cache"), events[-1]
     assert "bytes verified at load" in events[-1]["reason"]
-    found_at_load = "rank 0: DigestMismatch: dcp/__0_0.distcp bytes 512..1024 (tensor 'w'): sha256 ab…, manifest says cd…"
+    found_at_load = "rank 0: DigestMismatch: dcp/__0_0.safetensors bytes 512..1024 (tensor 'w'): sha256 ab…, manifest says cd…"
     source.quarantine(restored.path, "corrupt", found_at_load)
     fetched = source.newest()
     assert (fetched.step, events[-1]["source"]) == (10, "remote"), "the same step again, from the store"

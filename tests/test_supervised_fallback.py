@@ -41,7 +41,7 @@ def test_a_snapshot_that_verifies_but_does_not_load_is_quarantined_and_the_run_c
                                    cwd=tmp_path, log=tmp_path / "launch.log"))
     wait_for(lambda: published(ckpt) and 10 in [e.get("step") for e in events(run_dir, "snapshot_saved")],
              timeout=120, what="the snapshot of step 10")
-    plant_pickle(ckpt / "step-000000010", "rank-00000.pt", marker)
+    plant_pickle(ckpt / "step-000000010", "rank-00000.safetensors", marker)
     os.kill(read_heartbeats(run_dir)[1].pid, signal.SIGKILL)
     assert launcher.wait(timeout=240) == 0, tail(tmp_path / "launch.log")
     assert not marker.exists(), "the planted pickle ran"
@@ -61,11 +61,11 @@ def test_quarantine_keeps_the_snapshot_with_its_reason_and_hides_it_from_restore
     ckpt = tmp_path / "checkpoints"
     make_snapshot(ckpt, 5)
     bad = make_snapshot(ckpt, 10)
-    moved = store.quarantine(bad, "unloadable", "rank-00000.pt holds a pickle that is not tensors")
+    moved = store.quarantine(bad, "unloadable", "rank-00000.safetensors holds a pickle that is not tensors")
     assert newest_verified(ckpt).step == 5
     kept = {e.step: e for e in store.list_entries(ckpt)}
     assert kept[10].kind == "quarantined" and kept[10].path == moved
-    assert store.quarantine_reason(moved) == {"status": "unloadable", "reason": "rank-00000.pt holds a pickle that is not tensors",
+    assert store.quarantine_reason(moved) == {"status": "unloadable", "reason": "rank-00000.safetensors holds a pickle that is not tensors",
                                              "time": pytest.approx(store.quarantine_reason(moved)["time"])}
 
 

@@ -71,7 +71,7 @@ def test_a_digest_failed_at_load_is_named_and_the_snapshot_quarantined_as_corrup
 
 
 def test_a_snapshot_whose_bytes_match_but_does_not_load_keeps_words_that_say_so() -> None:
-    reason = "rank 0: LoadError: rank-00000.pt does not hold a dict of tensors"
+    reason = "rank 0: LoadError: rank-00000.safetensors does not hold a dict of tensors"
     world = _quarantined_after(reason)
     [line] = [line for line in world.said if line.startswith("snapshot step 10")]
     assert "passed its checks but does not load" in line and "does not hold a dict of tensors" in line, line
@@ -81,11 +81,11 @@ def test_a_snapshot_whose_bytes_match_but_does_not_load_keeps_words_that_say_so(
 
 
 def test_every_failing_rank_is_counted_from_a_dcp_reason() -> None:
-    reason = ("DCP load failed: rank 0: DigestMismatch: dcp/__0_0.distcp bytes 0..8 (tensor 'a'): sha256 12…, "
-              "manifest says 34…; rank 1: DigestMismatch: dcp/__1_0.distcp bytes 8..16 (tensor 'b'): sha256 56…, "
+    reason = ("DCP load failed: rank 0: DigestMismatch: dcp/__0_0.safetensors bytes 0..8 (tensor 'a'): sha256 12…, "
+              "manifest says 34…; rank 1: DigestMismatch: dcp/__1_0.safetensors bytes 8..16 (tensor 'b'): sha256 56…, "
               "manifest says 78…")
     assert [(f.rank, f.where) for f in unloadable.digest_failures(reason)] == [
-        (0, "dcp/__0_0.distcp bytes 0..8 (tensor 'a')"), (1, "dcp/__1_0.distcp bytes 8..16 (tensor 'b')")]
+        (0, "dcp/__0_0.safetensors bytes 0..8 (tensor 'a')"), (1, "dcp/__1_0.safetensors bytes 8..16 (tensor 'b')")]
     assert "(and 1 more)" in unloadable.describe(4, reason, Path("/q"))
 
 

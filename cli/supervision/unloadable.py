@@ -4,7 +4,7 @@ The ranks agree on a load failure and rank 0 records it as a ``restore_failed``
 event whose ``reason`` joins the failing ranks' first lines
 (:func:`ckptrun.runtime.checkpoint.snapshot.load`). With chunk digests (schema 3) the usual
 cause is bytes that do not match their digest as they are read — ``rank R:
-DigestMismatch: dcp/__R_0.distcp bytes A..B (tensor 'k'): sha256 …, manifest
+DigestMismatch: dcp/__R_0.safetensors bytes A..B (tensor 'k'): sha256 …, manifest
 says …`` for a stored item, ``rank R: DigestMismatch: state.json: …`` for a
 small file. The supervisor checked only manifest and sizes before the
 relaunch, so that is damage found at load, not a snapshot that "verifies".
@@ -28,7 +28,7 @@ class DigestFailure:
     """One rank's bytes that failed their digest: the file and, for a stored item, its range and tensor."""
 
     rank: int
-    where: str  # "dcp/__1_0.distcp bytes 10..20 (tensor 'w')", or a small file's name
+    where: str  # "dcp/__1_0.safetensors bytes 10..20 (tensor 'w')", or a small file's name
 
     def to_json(self) -> dict[str, object]:
         return {"rank": self.rank, "where": self.where}

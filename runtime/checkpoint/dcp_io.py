@@ -1,14 +1,12 @@
-"""torch.distributed.checkpoint storage that hashes as it writes and unpickles nothing unsafe.
+"""Reading a snapshot's ``dcp/`` through torch.distributed.checkpoint, running no code from it.
 
-Writing: a ``FileSystem`` whose streams hash every byte on its way to disk, so
-DCP's tensor files get their manifest digests without a second pass — a digest
-per stored item (chunk) for the data files, see :mod:`hashing`.
-
-Reading: DCP reads ``.metadata`` with plain ``pickle.load`` and loads
-non-tensor items with ``weights_only=False``. Our reader unpickles the metadata
-with a restricted unpickler that admits only DCP's own metadata classes and
-refuses any non-tensor item, so a tampered snapshot cannot run code even when
-its manifest digests were updated to match (invariant 5). Before anything is
+The metadata is ``metadata.json`` (the raw format, :mod:`raw_dcp`), parsed as
+JSON; in snapshots written before, DCP's pickled ``.metadata``, which our
+reader unpickles with a restricted unpickler that admits only DCP's own
+metadata classes (DCP itself would ``pickle.load`` it and load non-tensor items
+with ``weights_only=False``), refusing any non-tensor item, so a tampered
+snapshot cannot run code even when its manifest digests were updated to match
+(invariant 5). Writing is :mod:`dcp_writer`. Before anything is
 allocated, every read the metadata declares is checked against the manifest:
 plain file names of this ``dcp/`` that the manifest lists, byte ranges inside
 those files, declared bytes adding up to the listed ones, and no tensor larger
@@ -16,39 +14,34 @@ than the bytes stored for it (in a snapshot of some ranks only, a node's memory
 copy, no chunk of it; each rank's load then checks that it reads every element
 of its part) — so neither a 2^60-element shape nor a
 ``../../etc/passwd`` ever reaches the allocator or DCP's reader. Each item is
-then read into memory once and, for a chunked (schema 3) manifest, hashed
-against the digest of exactly its bytes before it is deserialised
-(:mod:`verified_read`); so is ``.metadata`` before it is unpickled.
+then read once — a raw chunk straight into the tensor it fills — and, for a
+chunked (schema 3) manifest, hashed against the digest of exactly its bytes
+before it is used (:mod:`verified_read`); so is the metadata before it is parsed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import inspect
 import io
 import math
 import os
 import pickle
-import threading
 from collections import defaultdict
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Collection, Generator
+from typing import Any, Collection
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint.filesystem import FileSystem, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from ckptrun.runtime import collectives
-from ckptrun.runtime.hashing import HashingWriter
+from ckptrun.runtime.checkpoint import raw_dcp, tensor_file
 from ckptrun.runtime.manifest import Manifest, ManifestError, read_manifest
 from ckptrun.runtime.checkpoint.verified_read import ChunkIndex, MemoryFile, Span, read_small, read_spans
-from ckptrun.runtime.checkpoint.writeback import StreamingFile  # S2: data files start writeback as they are written
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -79,25 +72,33 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def load_metadata(dcp_dir: Path, manifest: Manifest | None = None) -> Metadata:
-    """Read ``.metadata`` safely (its bytes checked against the manifest first when the manifest is chunked);
+    """Read the DCP metadata safely (its bytes checked against the manifest first when the manifest is chunked):
+    ``metadata.json`` (raw format) parsed as JSON, an older ``.metadata`` through the restricted unpickler;
     check it describes tensors only, stored where the snapshot's manifest says."""
     manifest = manifest or _manifest_of(dcp_dir)
-    entry = next((e for e in manifest.files if e.path == f"{dcp_dir.name}/.metadata"), None)
+    listed = {entry.path: entry for entry in manifest.files}
+    raw = raw_dcp.is_raw(dcp_dir, set(listed))
+    entry = listed.get(f"{dcp_dir.name}/{raw_dcp.METADATA_JSON if raw else '.metadata'}")
     if entry is None:
-        raise UnsafeMetadataError(f"the manifest does not list {dcp_dir.name}/.metadata")
+        raise UnsafeMetadataError(f"the manifest lists neither {dcp_dir.name}/{raw_dcp.METADATA_JSON} nor {dcp_dir.name}/.metadata")
     data = read_small(dcp_dir.parent, entry, manifest.verified_as_loaded)
     try:
-        metadata = RestrictedUnpickler(io.BytesIO(data)).load()
+        metadata = raw_dcp.read_metadata(data) if raw else RestrictedUnpickler(io.BytesIO(data)).load()
     except UnsafeMetadataError:
         raise
-    except Exception as exc:  # a truncated or garbled pickle
+    except Exception as exc:  # a truncated or garbled pickle, malformed JSON
         raise UnsafeMetadataError(f"DCP metadata unreadable: {exc}") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeMetadataError("DCP metadata is not a Metadata object")
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             raise UnsafeMetadataError(f"DCP item {key!r} is not a tensor; snapshots keep non-tensor state in JSON")
-    check_declared(metadata, _listed_sizes(dcp_dir, manifest), whole=not manifest.holds_some_ranks_only())
+    check_declared(metadata, _listed_sizes(dcp_dir, manifest), whole=not manifest.holds_some_ranks_only(), raw=raw)
+    if raw:
+        try:
+            raw_dcp.check_lengths(metadata)
+        except raw_dcp.RawMetadataError as exc:
+            raise UnsafeMetadataError(str(exc)) from None
     return metadata
 
 
@@ -110,20 +111,26 @@ def _manifest_of(dcp_dir: Path) -> Manifest:
 
 def _listed_sizes(dcp_dir: Path, manifest: Manifest) -> dict[str, int]:
     """Manifest size of every data file directly in ``dcp_dir`` (the metadata itself is not data)."""
-    prefix = f"{dcp_dir.name}/"
+    prefix, metadata = f"{dcp_dir.name}/", {".metadata", raw_dcp.METADATA_JSON}
     return {entry.path[len(prefix):]: entry.size for entry in manifest.files
-            if entry.path.startswith(prefix) and entry.path != f"{prefix}.metadata"}
+            if entry.path.startswith(prefix) and entry.path[len(prefix):] not in metadata}
 
 
-def check_declared(metadata: Metadata, sizes: dict[str, int], whole: bool = True) -> None:
+def check_declared(metadata: Metadata, sizes: dict[str, int], whole: bool = True, raw: bool = False) -> None:
     """Every read DCP would do lies inside a listed file, and every tensor is backed by stored bytes: its whole
     shape, or in a snapshot of some ranks only (``whole`` False: a node's memory copy) the chunks it declares,
-    which then cover only what those ranks load (each load checks that it reads all of its part)."""
+    which then cover only what those ranks load (each load checks that it reads all of its part). ``raw``:
+    each file is a header and then exactly its declared chunks, back to back, to its end."""
     stored: dict[str, int] = defaultdict(int)
     for index, info in metadata.storage_data.items():
         stored[index.fqn] += _check_storage(index.fqn, info, sizes)
+    if raw:
+        try:
+            raw_dcp.check_layout(metadata, sizes)
+        except raw_dcp.RawMetadataError as exc:
+            raise UnsafeMetadataError(str(exc)) from None
     declared, listed = sum(stored.values()), sum(sizes.values())
-    if declared != listed:
+    if not raw and declared != listed:
         raise UnsafeMetadataError(f"DCP metadata declares {declared} bytes of tensor data, the manifest lists {listed}")
     for fqn, item in metadata.state_dict_metadata.items():
         shape = tuple(item.size)
@@ -158,10 +165,14 @@ def _check_storage(fqn: str, info: Any, sizes: dict[str, int]) -> int:
 
 class SafeReader(FileSystemReader):
     """FileSystemReader whose metadata goes through :func:`load_metadata` and whose items are read once,
-    verified as they are read (chunked manifests) and loaded weights-only.
+    verified as they are read (chunked manifests) and deserialised by nothing (raw format) or weights-only.
 
     ``manifest``/``metadata``: already read and checked by the caller (else read here). ``fresh``: keys of
     targets this load allocated, which may take over a loaded item's memory instead of copying it.
+
+    Raw format: a stored chunk that fills a whole CPU target of its dtype is read with ``preadv`` straight
+    into that target's memory and hashed there (no buffer, no copy). A load that then fails a digest has
+    written some targets already; the restore loads an older snapshot into every one of them, or stops.
     """
 
     def __init__(self, path: str | os.PathLike, manifest: Manifest | None = None, metadata: Metadata | None = None,
@@ -172,7 +183,7 @@ class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         dcp_dir = Path(self.path)
         self.manifest = self.manifest or _manifest_of(dcp_dir)
-        metadata = self.metadata or load_metadata(dcp_dir, self.manifest)
+        metadata = self.metadata = self.metadata or load_metadata(dcp_dir, self.manifest)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -180,21 +191,32 @@ class SafeReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Per file, this rank's items in file order: each read once (the next read while the last hashes),
-        checked against its chunk digests, deserialised weights-only, and placed into its target."""
+        checked against its chunk digests, and placed into its target (raw: read into it where it can)."""
         dcp_dir = Path(self.path)
         manifest = self.manifest or _manifest_of(dcp_dir)
         _check_coverage(plan, planner, self.storage_data)
+        raw = raw_dcp.is_raw(dcp_dir, {entry.path for entry in manifest.files})
+        shapes = raw_dcp.chunk_shapes(self.metadata or self.read_metadata()) if raw else {}
         by_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = defaultdict(lambda: defaultdict(list))
         for request in plan.items:
             if request.type == LoadItemType.BYTE_IO:
                 raise UnsafeMetadataError(f"DCP item {request.storage_index.fqn!r} is not a tensor")
             by_file[self.storage_data[request.storage_index].relative_path][request.storage_index].append(request)
+        heads = _header_spans(self.storage_data) if raw else {}
         for name, requests in by_file.items():
             order = sorted(requests, key=lambda index: self.storage_data[index].offset)
             spans = [Span(self.storage_data[i].offset, self.storage_data[i].length, f"tensor {i.fqn!r}") for i in order]
-            read = read_spans(dcp_dir / name, spans, _chunk_index(manifest, dcp_dir, name), _allocate)
-            for (_, data), index in zip(read, order):
-                stored = _load_in_place(data)
+            into = {span: target for span, index in zip(spans, order)
+                    if raw and (target := _whole_target(requests[index], shapes[index], planner)) is not None}
+            read = read_spans(dcp_dir / name, [heads[name]] + spans if raw else spans, _chunk_index(manifest, dcp_dir, name),
+                              lambda span: tensor_file.raw_bytes(into[span].detach()) if span in into else _allocate(span.length))
+            if raw:
+                next(read)  # the file's header, checked against its digests like every byte a load reads; not used
+            for (span, data), index in zip(read, order):
+                if span in into:  # already in place
+                    planner.commit_tensor(requests[index][0], into[span])
+                    continue
+                stored = tensor_file.as_tensor(data, *shapes[index]) if raw else _load_in_place(data)
                 if not isinstance(stored, torch.Tensor):
                     raise UnsafeMetadataError(f"DCP item {index.fqn!r} does not hold a tensor")
                 for request in requests[index]:
@@ -217,6 +239,26 @@ class SafeReader(FileSystemReader):
         else:
             target.detach().copy_(piece)
         planner.commit_tensor(request, target)
+
+
+def _header_spans(storage: dict[MetadataIndex, Any]) -> dict[str, Span]:
+    """Each raw data file's header: its bytes before the first chunk."""
+    starts: dict[str, int] = {}
+    for info in storage.values():
+        starts[info.relative_path] = min(starts.get(info.relative_path, info.offset), info.offset)
+    return {name: Span(0, start, "its header") for name, start in starts.items()}
+
+
+def _whole_target(requests: list[ReadItem], stored: tuple[torch.dtype, tuple[int, ...]], planner: LoadPlanner) -> torch.Tensor | None:
+    """The target a raw chunk can be read straight into: one request for the whole chunk, filling a
+    contiguous CPU tensor of the same dtype and shape (else None: read into a buffer, then copied)."""
+    dtype, sizes = stored
+    if len(requests) != 1 or list(requests[0].lengths) != list(sizes) or any(requests[0].storage_offsets):
+        return None
+    target = planner.resolve_tensor(requests[0])
+    usable = (isinstance(target, torch.Tensor) and target.device.type == "cpu" and target.dtype == dtype
+              and tuple(target.size()) == tuple(sizes) and target.is_contiguous() and target.numel() > 0)
+    return target if usable else None
 
 
 def _check_coverage(plan: LoadPlan, planner: LoadPlanner, storage: dict[MetadataIndex, Any]) -> None:
@@ -261,53 +303,6 @@ def _chunk_index(manifest: Manifest, dcp_dir: Path, name: str) -> ChunkIndex | N
         return None
     entry = next(e for e in manifest.files if e.path == f"{dcp_dir.name}/{name}")
     return ChunkIndex(entry)
-
-
-class HashingFileSystem(FileSystem):
-    """Records (size, digest) of every file DCP writes, keyed by final file name."""
-
-    def __init__(self, algorithm: str, on_write: Callable[[str], None] | None = None) -> None:
-        super().__init__()
-        self.algorithm = algorithm
-        self.on_write = on_write
-        self.digests: dict[str, tuple[int, str, list[tuple[int, int, str]] | None]] = {}  # size, digest, chunks
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        chunked = str(path).endswith(".distcp")  # data files: a digest per item (DCP asks tell() around each)
-        with StreamingFile(path) as raw, contextlib.closing(HashingWriter(raw, self.algorithm, chunked)) as stream:
-            yield stream  # type: ignore[misc]
-            if self.on_write is not None:
-                self.on_write(Path(path).name)
-            with self._lock:
-                self.digests[Path(path).name] = (stream.size, stream.hexdigest(), stream.chunks if chunked else None)
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
-        with self._lock:
-            if Path(path).name in self.digests:
-                self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
-
-
-class RankNamedWriter(FileSystemWriter):
-    """Each rank's data file is ``__<job rank>_0.distcp`` even when DCP runs on a subgroup (a node's own memory
-    snapshot), where DCP would number the files by the rank within the group: a file's name names its writer."""
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        plan = super().prepare_local_plan(plan)
-        return dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{collectives.rank()}_"))
-
-
-def hashing_writer(dcp_dir: Path, algorithm: str, on_write: Callable[[str], None] | None = None) -> FileSystemWriter:
-    """A FileSystemWriter (fsync on, one file per rank) that hashes what it writes."""
-    writer = RankNamedWriter(dcp_dir, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
-    writer.fs = HashingFileSystem(algorithm, on_write)
-    return writer
 
 
 def allocate_from_metadata(metadata: Metadata, keys: list[str],

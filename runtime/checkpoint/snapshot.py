@@ -5,14 +5,16 @@ Three phases, kept apart even while they run inline:
 * **stage** (:mod:`saver`, :mod:`staging`) — copy this rank's share of the
   tensors into host buffers allocated once and reused (a sync save of CPU
   tensors writes them as they are); the only part the training step waits for.
-* **persist** — model/optimizer/EMA tensors through DCP (``dcp/``), small state
-  as JSON, per-rank RNG tensors through ``torch.save``; every byte hashed as it
-  is written, every file fsynced.
+* **persist** — model/optimizer/EMA tensors through DCP (``dcp/``, raw bytes:
+  :mod:`raw_dcp`), small state as JSON, per-rank RNG tensors as raw bytes too
+  (:mod:`tensor_file`); every byte hashed as it is written, every file fsynced.
+  No file of a snapshot holds a pickle.
 * **publish** — ranks agree everything is written; rank 0 writes and fsyncs the
   manifest and renames the temp dir into place (``store.publish``).
 
 Loading reads only what the manifest lists, through loaders that run no code:
-the restricted DCP reader, ``torch.load(weights_only=True)`` and JSON.
+JSON and raw tensor bytes (older snapshots: the restricted DCP reader and
+``torch.load(weights_only=True)``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,15 +34,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptrun.runtime import collectives
-from ckptrun.runtime.checkpoint import zip_crc
-from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata, hashing_writer, load_metadata, tensor_table
+from ckptrun.runtime.checkpoint import tensor_file, zip_crc
+from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata, load_metadata, tensor_table
+from ckptrun.runtime.checkpoint.dcp_writer import hashing_writer
+from ckptrun.runtime.checkpoint.raw_dcp import METADATA_JSON
 from ckptrun.runtime.checkpoint.snapshot_types import (
-    DCP_DIR, STATE_JSON, FaultHook, Loaded, LoadError, SaveResult, SnapshotInfo, State, rank_json, rank_tensors,
+    DCP_DIR, LEGACY, STATE_JSON, FaultHook, Loaded, LoadError, SaveResult, SnapshotInfo, State, rank_json, rank_tensors,
 )
 from ckptrun.runtime.checkpoint.verified_read import prefetch, read_small
 from ckptrun.runtime.hashing import HashingWriter
-from ckptrun.runtime.manifest import Chunk, FileEntry, Manifest, TensorEntry, read_manifest
+from ckptrun.runtime.manifest import Chunk, FileEntry, Manifest, TensorEntry, is_data_file, read_manifest
 from ckptrun.runtime.storage import store
+
+# A world of one saves with DCP's no_dist (no collective to plan alone); DCP warns that it assumes a single
+# process, which is exactly the case.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 __all__ = [  # the format's names and records live in snapshot_types; callers find them here too
     "DCP_DIR", "STATE_JSON", "FaultHook", "LoadError", "Loaded", "Manifest", "SaveResult", "SnapshotInfo", "State",
@@ -136,9 +145,10 @@ def _persist(temp_dir: Path, state: State, rank: int, lead: bool, algorithm: str
     so every rank must call it. Also returns the global shape and dtype of every DCP tensor."""
     entries: list[FileEntry] = []
     error, table = None, {}
-    writer = hashing_writer(temp_dir / DCP_DIR, algorithm, on_write=lambda name: fault("persist"))
+    writer = hashing_writer(temp_dir / DCP_DIR, algorithm, on_write=lambda name: fault("persist"), legacy=LEGACY.on)
     try:
-        metadata = dcp.save(state.shared_tensors, storage_writer=writer, process_group=group)
+        metadata = dcp.save(state.shared_tensors, storage_writer=writer, process_group=group,
+                            no_dist=collectives.world_size(group) == 1)  # a world of one plans alone: no collectives
         table = {key: TensorEntry(shape=shape, dtype=dtype) for key, (shape, dtype) in tensor_table(metadata).items()}
     except BaseException as exc:  # CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -153,7 +163,7 @@ def _persist(temp_dir: Path, state: State, rank: int, lead: bool, algorithm: str
         if lead:  # the group's first rank (the job's rank 0, or a node's first for a node's own snapshot)
             entries.append(_write_json(temp_dir / STATE_JSON, state.shared_tree, algorithm))
         entries.append(_write_json(temp_dir / rank_json(rank), state.rank_tree, algorithm))
-        entries.append(_write_tensors(temp_dir / rank_tensors(rank), state.rank_tensors, algorithm))
+        entries.append(_write_tensors(temp_dir / rank_tensors(rank, LEGACY.on), state.rank_tensors, algorithm))
     except OSError as exc:
         error = f"writing {exc.filename or 'snapshot file'} failed: {exc.strerror or exc}"
     return [e.model_copy(update={"rank": rank}) for e in entries], error, table
@@ -187,7 +197,9 @@ def _write_json(path: Path, tree: Any, algorithm: str) -> FileEntry:
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], algorithm: str) -> FileEntry:
-    return _write_bytes(path, lambda stream: torch.save(tensors, stream), algorithm)
+    if path.suffix == ".pt":  # the format before raw tensor files (tests make such snapshots)
+        return _write_bytes(path, lambda stream: torch.save(tensors, stream), algorithm)
+    return _write_bytes(path, lambda stream: [stream.write(piece) for piece in tensor_file.encode(tensors)], algorithm)
 
 
 def _write_bytes(path: Path, write: Callable[[Any], Any], algorithm: str) -> FileEntry:
@@ -230,7 +242,7 @@ def _publish(temp_dir: Path, files: list[FileEntry], tensors: dict[str, TensorEn
 
 def _tensor_digest(files: list[FileEntry]) -> str:
     """One digest over the DCP data files' digests (not the metadata, which names the save)."""
-    data = [f"{f.path}:{f.digest}" for f in files if f.path.startswith(f"{DCP_DIR}/") and not f.path.endswith(".metadata")]
+    data = [f"{f.path}:{f.digest}" for f in files if is_data_file(f.path)]
     return hashlib.sha256("\n".join(sorted(data)).encode()).hexdigest()
 
 
@@ -311,20 +323,21 @@ def _read_local(snapshot_dir: Path, rank: int, rank_files: bool = True,
     manifest = read_manifest(snapshot_dir)
     check_sizes(snapshot_dir, manifest)
     listed = {entry.path: entry for entry in manifest.files}
-    own_files = (rank_json(rank), rank_tensors(rank)) if rank_files else ()
-    for needed in (STATE_JSON, *own_files, f"{DCP_DIR}/.metadata"):
+    legacy = f"{DCP_DIR}/{METADATA_JSON}" not in listed  # written before raw tensor files
+    tensors_file = rank_tensors(rank, legacy)
+    own_files = (rank_json(rank), tensors_file) if rank_files else ()
+    metadata_file = f"{DCP_DIR}/.metadata" if legacy else f"{DCP_DIR}/{METADATA_JSON}"
+    for needed in (STATE_JSON, *own_files, metadata_file):
         if needed not in listed:
             raise LoadError(f"{snapshot_dir.name} does not list {needed}")
-    prefetch([snapshot_dir / name for name in (STATE_JSON, *own_files, f"{DCP_DIR}/.metadata")])
+    prefetch([snapshot_dir / name for name in (STATE_JSON, *own_files, metadata_file)])
 
     def read(name: str) -> bytes:
         return read_small(snapshot_dir, listed[name], manifest.verified_as_loaded)
 
     shared_tree = json.loads(read(STATE_JSON))
     rank_tree: dict[str, Any] = json.loads(read(rank_json(rank))) if rank_files else {}
-    own = torch.load(io.BytesIO(read(rank_tensors(rank))), map_location="cpu", weights_only=True) if rank_files else {}
-    if not isinstance(own, dict) or not all(isinstance(v, torch.Tensor) for v in own.values()):
-        raise LoadError(f"{rank_tensors(rank)} does not hold a dict of tensors")
+    own = _read_tensors(read(tensors_file), legacy, tensors_file) if rank_files else {}
     metadata = load_metadata(snapshot_dir / DCP_DIR, manifest)
     _check_tensor_table(manifest, tensor_table(metadata))
     aliases = shared_tree.get("aliases", {})
@@ -332,6 +345,18 @@ def _read_local(snapshot_dir: Path, rank: int, rank_files: bool = True,
     fresh = [key for key, tensor in shared.items() if (live or {}).get(key) is not tensor]
     reader = SafeReader(snapshot_dir / DCP_DIR, manifest, metadata, fresh)
     return Loaded(manifest, shared_tree, shared, rank_tree, own), reader
+
+
+def _read_tensors(data: bytes, legacy: bool, name: str) -> dict[str, torch.Tensor]:
+    """A rank's own tensors: raw tensor bytes, or (older snapshots) ``torch.load`` weights-only."""
+    try:
+        own = (torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) if legacy
+               else tensor_file.decode(bytearray(data)))
+    except tensor_file.TensorFileError as exc:
+        raise LoadError(f"{name}: {exc}") from None
+    if not isinstance(own, dict) or not all(isinstance(v, torch.Tensor) for v in own.values()):
+        raise LoadError(f"{name} does not hold a dict of tensors")
+    return own
 
 
 def _check_tensor_table(manifest: Manifest, stored: dict[str, tuple[list[int], str]]) -> None:

@@ -24,8 +24,19 @@ def rank_json(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
 
-def rank_tensors(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
+def rank_tensors(rank: int, legacy: bool = False) -> str:
+    """A rank's own tensors (RNG states): raw tensor bytes, or ``torch.save`` in snapshots written before."""
+    return f"rank-{rank:05d}.pt" if legacy else f"rank-{rank:05d}.safetensors"
+
+
+class _Legacy:
+    """Whether saves in this process write the format before raw tensors (``torch.save`` items, a pickled
+    ``.metadata``): never in a run; tests switch it on to make older snapshots and prove they still load."""
+
+    on = False
+
+
+LEGACY = _Legacy()
 
 
 @dataclass

@@ -89,7 +89,7 @@ class ChunkIndex:
 
 
 def read_spans(path: Path, spans: list[Span], index: ChunkIndex | None,
-               allocate: Callable[[int], memoryview] | None = None) -> Iterator[tuple[Span, memoryview]]:
+               allocate: Callable[[Span], memoryview] | None = None) -> Iterator[tuple[Span, memoryview]]:
     """Each span's bytes, in the order given, read once; with ``index`` each is yielded only after its
     chunks matched (else :class:`DigestMismatch`).
 
@@ -97,16 +97,17 @@ def read_spans(path: Path, spans: list[Span], index: ChunkIndex | None,
     piece into its place in the span's buffer and hash it right away, while the caller parses earlier
     spans — so a large item is read and hashed on every helper at once, and reading, hashing and parsing
     overlap. The kernel is asked to fetch each span from disk as soon as it is queued. ``allocate``
-    gives a span's buffer (default: an anonymous mapping, nothing zero-filled first).
+    gives a span's buffer — the memory it is finally meant for, where it can (default: an anonymous
+    mapping, nothing zero-filled first).
     """
-    allocate = allocate or _anonymous
+    allocate = allocate or (lambda span: _anonymous(span.length))
     pending: deque[tuple[Span, memoryview, list[Future]]] = deque()
     held = 0
     with open(path, "rb", buffering=0) as stream, ThreadPoolExecutor(HASH_THREADS, "ckptrun-verify") as pool:
         fd = stream.fileno()
         for span in spans:
             _prefetch(fd, span)
-            data = allocate(span.length)
+            data = allocate(span)
             pending.append((span, data, [pool.submit(_read_piece, fd, span, data, piece, chunks, index, path.name)
                                          for piece, chunks in _pieces(span, index)]))
             held += span.length
