@@ -157,7 +157,11 @@ def _trial(variant: Variant, loop: ProbeLoop, alone_s: float) -> Callable[[], di
         before = loop.for_seconds(alone_s)
         stall, done, done_at = variant.start()
         returned = time.perf_counter()
+        process_cpu, loop_cpu = time.process_time(), time.thread_time()
         during = loop.until(done)
+        # CPU this process spent beside the loop's own thread while the save persisted: the writer's share
+        # (the loop's intra-op threads count too; DCP's process mode writes in another process: not seen here)
+        beside = (time.process_time() - process_cpu) - (time.thread_time() - loop_cpu)
         persist = done_at() - returned
         variant.cleanup()
         # the baseline brackets the save (steps alone just before and just after it), so a load that
@@ -165,7 +169,7 @@ def _trial(variant: Variant, loop: ProbeLoop, alone_s: float) -> Callable[[], di
         alone = statistics.median(before + loop.for_seconds(alone_s / 2))
         return {f"{variant.name}.stall": stall, f"{variant.name}.persist": persist,
                 f"{variant.name}.slowdown": statistics.median(during) / alone, f"{variant.name}.alone": alone,
-                f"{variant.name}.lost": sum(during) - len(during) * alone}
+                f"{variant.name}.lost": sum(during) - len(during) * alone, f"{variant.name}.cpu": beside}
 
     return run
 
@@ -174,12 +178,12 @@ def _idle_trial(variant: Variant) -> Callable[[], dict[str, float]]:
     """The same ckptrun save with no training alongside: what the writer does when nobody competes."""
     def run() -> dict[str, float]:
         _, done, done_at = variant.start()
-        returned = time.perf_counter()
+        returned, cpu = time.perf_counter(), time.process_time()
         while not done():
             time.sleep(0.002)
-        persist = done_at() - returned
+        persist, cpu = done_at() - returned, time.process_time() - cpu
         variant.cleanup()
-        return {"persist_idle_s": persist}
+        return {"persist_idle_s": persist, "persist_idle_cpu_s": cpu, "persist_idle_cpu_share": cpu / persist}
 
     return run
 
@@ -239,10 +243,16 @@ def measure(state: BigState, scratch: Path, repeats: int, alone_s: float = 0.3) 
             continue
         figures[stall] = Figure(samples[f"{name}.stall"], "s", MEMORY, note=NOTES.get(stall, ""))
         figures[persist] = Figure(samples[f"{name}.persist"], "s", WRITTEN, note=NOTES.get(persist, ""))
+        if name != "dcp_process":
+            figures[persist.replace("persist", "persist_cpu", 1)] = Figure(
+                samples[f"{name}.cpu"], "s", NA, note="CPU seconds this process spent beside the loop's thread while persisting")
         figures[slowdown] = Figure(samples[f"{name}.slowdown"], "x", NA, note=NOTES.get(slowdown, ""))
         figures[LOST[name]] = Figure(samples[f"{name}.lost"], "s", NA, note="training seconds the persist cost the loop")
     if "persist_idle_s" in samples:
         figures["persist_idle_s"] = Figure(samples["persist_idle_s"], "s", WRITTEN, note="as persist_s, with no training alongside")
+        figures["persist_idle_cpu_s"] = Figure(samples["persist_idle_cpu_s"], "s", NA, note="the process's CPU seconds during it")
+        figures["persist_idle_cpu_share"] = Figure(samples["persist_idle_cpu_share"], "x", NA,
+                                                   note="CPU seconds per second of the idle persist (cores the writer keeps busy)")
     if "ckptrun.alone" in samples:
         figures["probe_step_alone_s"] = Figure(samples["ckptrun.alone"], "s", NA, note="the probe loop's step, alone")
     return figures

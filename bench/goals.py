@@ -25,8 +25,9 @@ class Goal:
     best: bool = False  # compare the best (smallest) sample, not the median: "best of N"
     strict: bool = False  # the ratio must be below the limit, not at it
     missing: str | None = None  # issue 13's table: what to say when this run has no such figure
+    small_slack: float = 1.0  # below 1 GiB of state the limit is this much looser (issue 27: "within 20%" at 64 MiB)
 
-    def evaluate(self, figures: dict[str, Figure]) -> dict[str, Any] | None:
+    def evaluate(self, figures: dict[str, Figure], small: bool = False) -> dict[str, Any] | None:
         needed = [self.key] + ([self.baseline] if self.baseline else [])
         if any(key not in figures for key in needed):
             if self.missing is None:
@@ -38,19 +39,27 @@ class Goal:
                     "detail": f"{broken[0]}: {figures[broken[0]].error}"}
         value = min(figures[self.key].samples) if self.best else figures[self.key].median
         ratio = value / (figures[self.baseline].median if self.baseline else 1.0)
-        ok = ratio >= self.limit if self.at_least else ratio < self.limit if self.strict else ratio <= self.limit
-        off = ratio / self.limit - 1 if self.limit else ratio
+        limit = self.limit * self.small_slack if small else self.limit
+        ok = ratio >= limit if self.at_least else ratio < limit if self.strict else ratio <= limit
+        off = ratio / limit - 1 if limit else ratio
         detail = "" if ok else (f"{-off:.0%} short" if self.at_least else f"{off:.0%} over the limit")
-        return {"goal": self.text, "ratio": ratio, "limit": self.limit, "verdict": "PASS" if ok else "MISS", "detail": detail}
+        return {"goal": self.text, "ratio": ratio, "limit": limit, "verdict": "PASS" if ok else "MISS", "detail": detail}
 
 
+# Issue 27's goals hold at 1 GiB of state; below it (the 64 MiB of --quick) within 20% (``small_slack``).
+SLACK_27 = 1.2
 GOALS = [
-    Goal("save_stall_s <= 1.5 x staging_floor_s", "save_stall_s", "staging_floor_s", 1.5),
-    Goal("save_stall_s <= 0.5 x dcp_async_block_s", "save_stall_s", "dcp_async_block_s", 0.5),
-    Goal("save_total_s <= 1.1 x torch_save_s (ckptrun hashes too)", "save_total_s", "torch_save_s", 1.1),
+    Goal("save_stall_s <= 1.5 x staging_floor_s (27)", "save_stall_s", "staging_floor_s", 1.5, small_slack=SLACK_27),
+    Goal("save_stall_s <= 0.5 x dcp_async_block_s (27)", "save_stall_s", "dcp_async_block_s", 0.5, small_slack=SLACK_27),
+    Goal("save_total_s <= 1.1 x torch_save_s (ckptrun hashes too; 27)", "save_total_s", "torch_save_s", 1.1,
+         small_slack=SLACK_27),
     Goal("train_slowdown_during_persist <= 1.3", "train_slowdown_during_persist", None, 1.3),
+    Goal("train_slowdown_during_persist <= the least of any DCP async mode (27)", "train_slowdown_during_persist",
+         "dcp_least_train_slowdown", 1.0, small_slack=SLACK_27),
     Goal("persist_s <= 2 x save_total_s", "persist_s", "save_total_s", 2.0),
-    Goal("restore_s <= 1.3 x torch_load_s (sha256, evicted)", "restore_s", "torch_load_s", 1.3),
+    Goal("restore_s <= 1.3 x torch_load_s (sha256, evicted; 27)", "restore_s", "torch_load_s", 1.3, small_slack=SLACK_27),
+    Goal("restore_s <= 1.2 x read_floor_s (preadv + sha256 on the loader's threads, evicted; 27)", "restore_s",
+         "read_floor_s", 1.2, small_slack=SLACK_27),
     Goal("restore_cached_s <= 1.3 x torch_load_cached_s (sha256, page-cached)", "restore_cached_s", "torch_load_cached_s", 1.3),
     Goal("restore_blake3_s <= 1.3 x torch_load_s (blake3, evicted)", "restore_blake3_s", "torch_load_s", 1.3),
     Goal("verify_gbps >= 1.2 x sha256_1t_gbps (page-cached, 2-rank snapshot)", "verify_gbps", "sha256_1t_gbps", 1.2, at_least=True),
@@ -84,9 +93,10 @@ ISSUE_13 = [
 ]
 
 
-def evaluate(figures: dict[str, Figure], goals: list[Goal] = GOALS) -> list[dict[str, Any]]:
-    """Verdicts for the goals whose figures this set has (and, for issue 13's, the ones it lacks)."""
-    return [verdict for goal in goals if (verdict := goal.evaluate(figures)) is not None]
+def evaluate(figures: dict[str, Figure], goals: list[Goal] = GOALS, small: bool = False) -> list[dict[str, Any]]:
+    """Verdicts for the goals whose figures this set has (and, for issue 13's, the ones it lacks); ``small``: a
+    state under 1 GiB, where a goal's ``small_slack`` loosens its limit."""
+    return [verdict for goal in goals if (verdict := goal.evaluate(figures, small)) is not None]
 
 
 def least_dcp_slowdown(figures: dict[str, Figure]) -> Figure | None:

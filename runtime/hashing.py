@@ -37,6 +37,19 @@ SUB_CHUNK = 2 << 20  # a chunked file's chunks end at each item and every this m
 #                      tensor (1024x1024 fp32) hashes as two halves on two threads, when written and when read
 HASH_HELPERS = 2  # threads hashing a large write's chunks beside the write syscall
 _this_thread = threading.local()  # .helpers: HASH_HELPERS for writers used on this thread (see helpers())
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+os.register_at_fork(after_in_child=_pools.clear)  # a forked child (a warm-started rank) has none of the threads
+
+
+def helper_pool(count: int) -> ThreadPoolExecutor:
+    """The hash helpers, kept for the process's life: a save starts no threads. One pool per size and calling
+    thread's priority, as a thread inherits its creator's: a background persist's helpers run at its lowered one."""
+    key = (count, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    with _pools_lock:
+        if key not in _pools:
+            _pools[key] = ThreadPoolExecutor(count, f"ckptrun-hash{count}")
+        return _pools[key]
 
 
 @contextmanager
@@ -189,7 +202,6 @@ class HashingWriter(io.RawIOBase):
         self.chunks: list[tuple[int, int, str]] = []  # (offset, length, digest), chunked files only
         self._chunk_start = 0
         self._sealed: list[tuple[int, int, Any]] = []  # chunks ended by the current write, hashers still busy
-        self._helper: ThreadPoolExecutor | None = None
         self._whole = isinstance(raw, io.BufferedIOBase)  # a blocking buffered write takes all bytes or raises
 
     def writable(self) -> bool:
@@ -230,9 +242,8 @@ class HashingWriter(io.RawIOBase):
         return pieces
 
     def _hash_aside(self, pieces: list[tuple[memoryview, Any]]) -> list[Future]:
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(getattr(_this_thread, "helpers", None) or HASH_HELPERS, "ckptrun-hash")
-        return [self._helper.submit(hasher.update, piece) for piece, hasher in pieces]
+        pool = helper_pool(getattr(_this_thread, "helpers", None) or HASH_HELPERS)
+        return [pool.submit(hasher.update, piece) for piece, hasher in pieces]
 
     def tell(self) -> int:
         if self.chunked:
@@ -262,8 +273,6 @@ class HashingWriter(io.RawIOBase):
         if not self.closed:
             super().close()
             self.raw.close()
-            if self._helper is not None:
-                self._helper.shutdown()
 
     def hexdigest(self) -> str:
         """The file's manifest digest: of its bytes, or of its chunk list when ``chunked``."""

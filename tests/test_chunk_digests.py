@@ -184,19 +184,24 @@ def test_hashing_writer_cuts_a_chunk_every_sub_chunk_bytes_inside_an_item(tmp_pa
     assert written == (tmp_path / "chunked").read_bytes()
 
 
-def test_a_thread_that_asks_for_one_hash_helper_gets_one_and_the_same_chunks(tmp_path):
-    """A background persist hashes on one helper (it shares the cores with training): same chunks, same digests."""
+def test_hash_helpers_are_kept_across_files_and_a_thread_that_asks_for_one_gets_one(tmp_path):
+    """A save starts no threads (its helpers live as long as the process), and a background persist hashes on
+    one helper (it shares the cores with training): same chunks, same digests either way."""
     from ckptrun.runtime import hashing
 
     data = bytes(range(256)) * ((3 * SUB_CHUNK) // 256)
-    made = {}
-    for count in (1, None):
-        with open(tmp_path / f"f{count}", "wb") as raw, (hashing.helpers(count) if count else contextlib.nullcontext()):
-            stream = HashingWriter(raw, "sha256", chunked=True)
-            stream.write(data)
-            made[count] = (stream._helper._max_workers, stream.chunks, stream.hexdigest())
-    assert made[1][0] == 1 and made[None][0] == hashing.HASH_HELPERS
-    assert made[1][1:] == made[None][1:] and len(made[1][1]) == 3
+    made = []
+    for count in (1, None, 1):
+        with open(tmp_path / f"f{len(made)}", "wb") as raw, (hashing.helpers(count) if count else contextlib.nullcontext()):
+            with contextlib.closing(HashingWriter(raw, "sha256", chunked=True)) as stream:
+                stream.write(data)
+                pool = hashing.helper_pool(count or hashing.HASH_HELPERS)
+                made.append((pool, set(pool._threads), stream.chunks, stream.hexdigest()))
+    (one, one_threads, *one_digests), (two, _, *two_digests), (again, again_threads, *_) = made
+    assert one._max_workers == 1 and two._max_workers == hashing.HASH_HELPERS
+    assert again is one and again_threads == one_threads and all(t.is_alive() for t in one_threads), \
+        "the second file hashed on the first one's helper, which outlived its file"
+    assert one_digests == two_digests and len(one_digests[0]) == 3
 
 
 # --- loaded: every byte checked as it is read, once -------------------------------------------------

@@ -343,7 +343,12 @@ def test_launch_on_s3_recovers_from_the_store_and_every_command_takes_the_url(tm
         assert staging == ["lineage.json"], "no snapshot stays in staging: every upload's commit removes its own"
         estimate = cli("estimate-rto", str(run_dir), "--json", cwd=tmp_path)  # its store (a URL: test_messages_cli)
         assert estimate.returncode == 0, estimate.stderr
-        assert json.loads(estimate.stdout)["components"]["verify"]["source_of_restore"] == REMOTE
+        components = json.loads(estimate.stdout)["components"]
+        assert components["verify"]["source_of_restore"] == REMOTE
+        on_url = cli("estimate-rto", url, "--json", cwd=tmp_path)  # no history: a no-op relaunch times the restart
+        assert on_url.returncode == 0, on_url.stderr
+        assert json.loads(on_url.stdout)["components"]["restart"]["noop_opened_store"] is True, \
+            "the no-op relaunch's ranks opened the store's client, as the run's ranks do"
         for source in (url, str(run_dir)):  # the store's newest, downloaded (a run dir: its store) to a temporary dir
             exported = cli("export", source, "-o", str(tmp_path / "model.pt"))
             assert exported.returncode == 0 and (tmp_path / "model.pt").stat().st_size > 0, exported.stderr

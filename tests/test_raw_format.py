@@ -117,7 +117,7 @@ def test_a_snapshot_in_the_format_before_raw_tensors_still_loads_bitwise(tmp_pat
 def test_a_tensor_file_header_that_does_not_fit_its_bytes_is_refused():
     pieces = tensor_file.encode({"w": torch.randn(4)})
     data = bytearray(b"".join(bytes(p) for p in pieces))
-    assert torch.equal(tensor_file.decode(data)["w"], torch.frombuffer(bytes(pieces[1]), dtype=torch.float32))
+    assert torch.equal(tensor_file.decode(data)["w"], torch.frombuffer(bytearray(pieces[1]), dtype=torch.float32))
     with pytest.raises(tensor_file.TensorFileError, match="does not fit"):
         tensor_file.decode(data[:-4])
     with pytest.raises(tensor_file.TensorFileError, match="unknown dtype"):

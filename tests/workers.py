@@ -6,6 +6,7 @@ can find and kill what it started even when a rank was orphaned.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -40,6 +41,21 @@ def kill_run(run_id: str) -> None:
             pass
 
 
+def dump_stacks(run_id: str) -> list[str]:
+    """Ask every process of the run for its Python stacks (the runtime's SIGUSR2 faulthandler, written to its
+    stderr) and wait until they are written; returns the processes as ``pid:name``."""
+    processes = [p for p in processes_of_run(run_id) if "torch.distributed.run" not in p.cmdline()]  # ranks only:
+    for process in processes:  # the agent has no handler and would die of the signal
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGUSR2)
+    psutil.wait_procs(processes, timeout=3)  # a dump takes milliseconds: this gives it time (they rarely exit)
+    names = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            names.append(f"{process.pid}:{' '.join(process.cmdline()[1:4])}")
+    return names
+
+
 def run_id_for(run_dir: Path) -> str:
     """Stable for one run dir (attempts share it), unique across tests (cleanup kills by run id)."""
     return f"{run_dir.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]}"
@@ -63,10 +79,12 @@ def run_job(run_dir: Path, nproc: int = 1, args: tuple[str, ...] = (), timeout: 
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        alive = dump_stacks(str(fields["run_id"]))  # what each process was doing, for the failure message
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         kill_run(str(fields["run_id"]))
         out, err = process.communicate()
-        raise AssertionError(f"worker timed out after {timeout}s:\n{err[-3000:]}") from None
+        raise AssertionError(f"worker timed out after {timeout}s; still running: {alive}\n{err[-8000:]}") from None
     finally:
         kill_run(str(fields["run_id"]))
     return Result(process.returncode, out, err)

@@ -94,7 +94,7 @@ def _store_target(path: Path | str, kind: str, remote: Any, cache: Path | None, 
     choice = store_location.fetch_newest(remote, cache, parts.say)
     target = _target(path, kind, choice.path.parent, snapshot=choice.path, **fields)  # type: ignore[arg-type]
     target.created = [(p.step, p.manifest.created) for p in remote.line()]
-    target.older, target.fetched = [], choice
+    target.older, target.fetched, target.store = [], choice, remote
     return target
 
 
@@ -145,7 +145,7 @@ def gather(target: parts.Target, probe: bool, world: int) -> dict[str, Component
         path, _ = parts.relaunch_path(target)
         ranks = rto_nodes.ranks_per_node(target, world)
         parts.say(f"timing a no-op {ranks}-rank relaunch ({path.words}) and its teardown")
-        noop = noop_attempt(ranks, target.spec)
+        noop = noop_attempt(ranks, target.spec, store=target.store)
     return {
         "detect": parts.detect(target),
         "teardown": parts.teardown(target, noop),

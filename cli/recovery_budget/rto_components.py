@@ -53,6 +53,7 @@ class Target:
     created: list[tuple[int, float]] = field(default_factory=list)  # (step, created) of the lineage's snapshots
     older: list[tuple[Path, Manifest]] = field(default_factory=list)  # fallbacks, newest first
     fetched: Any = None  # an object store's restore choice (runtime.tiering.Choice), done and timed
+    store: Any = None  # the run's object store (FsspecStore): a restart's ranks open its client as they start
 
     @property
     def restarts(self) -> list[dict[str, Any]]:
@@ -286,11 +287,12 @@ def _estimated(target: Target, noop: measure.NoopTimes | None, world: int) -> Co
     step, step_words = setup_and_first_step(target) if target.kind == "run" else first_step(target)
     launch = noop.launch_s if noop is not None else 0.0
     path, where = relaunch_path(target)  # what the no-op relaunch ran, too
-    how = (f"no-op {noop.world}-rank relaunch to process group {fmt(launch)} (measured) + " if noop else "") + (
+    store = " (each opened the run's object store, as its ranks do)" if noop is not None and noop.opened_store else ""
+    how = (f"no-op {noop.world}-rank relaunch{store} to process group {fmt(launch)} (measured) + " if noop else "") + (
         f"{restore_words} + {step_words}; modelled relaunch: {path.words} ({where}); --probe measures it for real")
     return Component("restart", launch + restore + step, ESTIMATED, how,
                      {"launch_s": launch, **restore_facts, "first_step_s": step, "relaunch_path": path.name,
-                      "standby": path.standby})
+                      "standby": path.standby, "noop_opened_store": bool(noop and noop.opened_store)})
 
 
 def restore_estimate(target: Target, world: int) -> tuple[float, str, dict[str, Any]]:

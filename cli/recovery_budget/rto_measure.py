@@ -253,10 +253,14 @@ def _watched_by_this_process() -> dict[str, str]:
 NoopTimes = relaunch.NoopTimes
 
 
-def noop_attempt(world: int, spec: LaunchSpec | None, timeout: float = 120.0) -> NoopTimes:
+def noop_attempt(world: int, spec: LaunchSpec | None, timeout: float = 120.0, store: Any = None) -> NoopTimes:
     """No-op ranks started the way a restart of this run starts them (warm standby, forked or spawned
-    ranks: :mod:`ckptrun.cli.recovery_budget.rto_relaunch`), timed to ready, then torn down."""
-    return relaunch.noop_attempt(world, spec, _child_env(), timeout)
+    ranks: :mod:`ckptrun.cli.recovery_budget.rto_relaunch`), timed to ready, then torn down. ``store``: the
+    run's object store, whose client every rank of such a run opens as it starts (s3fs and its imports)."""
+    env = _child_env()
+    if store is not None:
+        env |= {variable("ckpt_url"): store.url.url, variable("storage_options"): json.dumps(store.options)}
+    return relaunch.noop_attempt(world, spec, env, timeout)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Usage (never typed by people; :mod:`ckptrun.cli.recovery_budget.rto_measure` sta
 
 * ``python -m ckptrun.cli.recovery_budget.rto_probe noop READY_DIR`` — a rank that does what
   every relaunched rank does before the user's code matters: start, import
-  torch and the runtime, join the process group (under torchrun), then write
+  torch and the runtime, open the run's object store (``CKPTRUN_CKPT_URL``, as
+  a rank of such a run does), join the process group (under torchrun), then write
   ``READY_DIR/rank-R`` with the time and wait to be torn down.
 * ``python -m ckptrun.cli.recovery_budget.rto_probe load SNAPSHOT_DIR`` — read and
   deserialise one snapshot the way a restoring rank does (the runtime's own
@@ -36,13 +37,20 @@ def noop(ready_dir: Path) -> int:
     import torch.distributed as dist
 
     import ckptrun.runtime.step.session  # noqa: F401 - the imports a runtime rank pays for
+    from ckptrun.runtime.env import variable
 
+    store = os.environ.get(variable("ckpt_url"))
+    if store:  # an object-store run's rank opens its store's client as it starts
+        from ckptrun.runtime.storage.remote_store import open_store
+
+        open_store(store, os.environ.get(variable("storage_options")))
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
         dist.barrier()
     rank = int(os.environ.get("RANK", "0"))
     ready_dir.mkdir(parents=True, exist_ok=True)
-    (ready_dir / f"rank-{rank}").write_text(json.dumps({"time": time.time(), "since_process_start": _since_process_start()}))
+    (ready_dir / f"rank-{rank}").write_text(json.dumps({"time": time.time(), "since_process_start": _since_process_start(),
+                                                        "store": bool(store)}))
     while True:  # torn down by SIGTERM, as a real attempt is
         time.sleep(3600)
 

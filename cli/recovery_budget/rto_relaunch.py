@@ -64,6 +64,7 @@ class NoopTimes:
     teardown_s: float  # the supervisor's teardown of that tree
     world: int
     path: RelaunchPath
+    opened_store: bool = False  # every no-op rank opened the run's object store (its client), as the run's ranks do
 
 
 def spec_for(spec: LaunchSpec | None, world: int) -> LaunchSpec:
@@ -110,14 +111,15 @@ def noop_attempt(world: int, spec: LaunchSpec | None, env: dict[str, str], timeo
         command = attempt_command(path, spec, world, work, [*NOOP_TARGET, str(work / "ready")])
         with relaunched(path, run_id, command, env, work, timeout) as attempt:
             try:
-                ready = _wait_ready(attempt, work / "ready", world, timeout)
+                ready = _wait_ready(attempt, work / "ready", world, timeout)  # every rank's ready record
             finally:
                 teardown = attempt.teardown(spec.grace_period if spec else 60.0, run_id)
         if ready is None:
             raise CkptrunError(f"a no-op launch of {world} rank(s) ({path.words}) did not start within {timeout:g}s: "
                                f"{tail(work / 'console.log')}",
                                "check that torchrun runs here (python -m torch.distributed.run)")
-        return NoopTimes(ready - attempt.started, teardown, world, path)
+        return NoopTimes(max(r["time"] for r in ready) - attempt.started, teardown, world, path,
+                         all(r.get("store") for r in ready))
 
 
 def _wait_standby(keeper: StandbyKeeper, log: Path, timeout: float) -> None:
@@ -133,13 +135,15 @@ def _wait_standby(keeper: StandbyKeeper, log: Path, timeout: float) -> None:
                        "check that torchrun imports here (python -m torch.distributed.run --help)")
 
 
-def _wait_ready(attempt: Any, ready_dir: Path, world: int, timeout: float) -> float | None:
+def _wait_ready(attempt: Any, ready_dir: Path, world: int, timeout: float) -> list[dict[str, Any]] | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         files = list(ready_dir.glob("rank-*"))
         if len(files) >= world:
             with contextlib.suppress(OSError, ValueError, KeyError):  # a rank's file half written: read it next poll
-                return max(json.loads(f.read_text())["time"] for f in files)
+                records = [json.loads(f.read_text()) for f in files]
+                if all("time" in r for r in records):
+                    return records
         if attempt.exit_code() is not None:
             return None
         time.sleep(0.02)
