@@ -26,8 +26,10 @@ Scenarios (``--scenarios``, comma-separated):
              (30 s here: the heartbeat timeout 60 s, capped) and promotes the spare, whose first attempt goes
              through the standby it kept warm (``rto_node_loss_s``;
              the predicted detect is the node timeout + the spare's promotion)
+  peer-memory  node-loss with the memory tier on every launcher (--memory-every-steps 2, a memory dir each):
+             the spare's rank restores node 1's shards from the replica in node 0's memory (tier peer-memory)
 
-    python bench/rto_accuracy.py [--scenarios kill,hang,memory,s3,local-cache,node-loss] [--repeats 3] [--nproc 2] [--json]
+    python bench/rto_accuracy.py [--scenarios kill,hang,memory,s3,local-cache,node-loss,peer-memory] [--repeats 3] [--nproc 2] [--json]
 
 --json prints ``{"scenarios": {"kill": {"ratio": {"median", "min", "max", "samples"}, "components":
 {part: {"predicted", "measured"}}, "repeats": [...]}, …}, "load": […]}``. Snapshots are a few MiB and
@@ -75,6 +77,7 @@ SCENARIOS = {
                             "kill:rank={rank}:step={step}"),
 }
 OBJECT_STORE = ("s3", "local-cache")  # scenarios that need the moto server
+NODE_SCENARIOS = ("node-loss", "peer-memory")  # three launchers on 127.0.0.1, node 1 lost
 BUCKET = "ckptrun-rto-bench"
 
 
@@ -154,8 +157,9 @@ def free_port() -> int:
             return port
 
 
-def start_nodes(run_dir: Path, steps: int, fault: str | None) -> dict[str, subprocess.Popen]:
-    """Node 0, node 1 and a hot spare of one job on 127.0.0.1, one rank each, each its own address."""
+def start_nodes(run_dir: Path, steps: int, fault: str | None, memory: bool = False) -> dict[str, subprocess.Popen]:
+    """Node 0, node 1 and a hot spare of one job on 127.0.0.1, one rank each, each its own address; ``memory``:
+    the memory tier every 2 steps on each, in a memory dir of its own (its "node's RAM")."""
     port = free_port()
     common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(run_dir), "--name", run_dir.name,
               "--nproc-per-node", "1", "--threads", "1", "--save-every-steps", "5", "--heartbeat-timeout", "60s",
@@ -165,7 +169,8 @@ def start_nodes(run_dir: Path, steps: int, fault: str | None) -> dict[str, subpr
     procs = {}
     for index, (name, place) in enumerate(places.items()):
         log = open(run_dir.parent / f"{run_dir.name}-{name}.log", "wb")
-        procs[name] = subprocess.Popen([sys.executable, "-m", "ckptrun.cli.main", "launch", *place, *common,
+        ram = ["--memory-every-steps", "2", "--memory-dir", str(run_dir.parent / f"{run_dir.name}-ram-{name}")] if memory else []
+        procs[name] = subprocess.Popen([sys.executable, "-m", "ckptrun.cli.main", "launch", *place, *common, *ram,
                                         "--local-addr", f"127.0.0.{index + 1}", *job], stdout=log, stderr=subprocess.STDOUT)
     return procs
 
@@ -188,17 +193,19 @@ def reached(run_dir: Path, step: int) -> bool:
     return any(json.loads(line).get("step", 0) >= step for line in lines if line.strip().startswith("{"))
 
 
-def node_loss_repeat(root: Path, index: int, steps: int) -> dict:
+def node_loss_repeat(root: Path, index: int, steps: int, memory: bool = False) -> dict:
     """Node 1 lost after step steps − 48 (its rank hung, then its launcher SIGKILLed: a node gone without a word);
-    the spare takes its place at once. The estimate is made on a clean run of the same three launchers."""
-    clean = root / f"node-loss-clean-{index}"
+    the spare takes its place at once. The estimate is made on a clean run of the same three launchers.
+    ``memory``: the peer-memory scenario (the spare restores node 1's shards from node 0's replica)."""
+    name = "peer-memory" if memory else "node-loss"
+    clean = root / f"{name}-clean-{index}"
     clean.mkdir(parents=True)
-    wait_all(start_nodes(clean, steps, None), ("node0", "node1", "spare"))
+    wait_all(start_nodes(clean, steps, None, memory), ("node0", "node1", "spare"))
     estimate = json.loads(ckptrun("estimate-rto", str(clean), "--json").stdout)
-    lost = root / f"node-loss-fault-{index}"
+    lost = root / f"{name}-fault-{index}"
     lost.mkdir(parents=True)
     fault_step = steps - FAULT_BEFORE_END
-    procs = start_nodes(lost, steps, f"hang:rank=1:step={fault_step}:attempt=1")
+    procs = start_nodes(lost, steps, f"hang:rank=1:step={fault_step}:attempt=1", memory)
     deadline = time.monotonic() + 300
     while not reached(lost, fault_step) and time.monotonic() < deadline and procs["node0"].poll() is None:
         time.sleep(0.05)
@@ -253,7 +260,8 @@ def report(document: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", default="kill,hang,memory", help=f"comma-separated: {', '.join(SCENARIOS)}, node-loss")
+    parser.add_argument("--scenarios", default="kill,hang,memory",
+                        help=f"comma-separated: {', '.join((*SCENARIOS, *NODE_SCENARIOS))}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200, help=f"steps per run; the fault comes {FAULT_BEFORE_END} "
@@ -261,9 +269,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON document")
     args = parser.parse_args()
     chosen = [name.strip() for name in args.scenarios.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in (*SCENARIOS, "node-loss")]
+    unknown = [name for name in chosen if name not in (*SCENARIOS, *NODE_SCENARIOS)]
     if unknown:
-        parser.error(f"unknown scenario {unknown[0]!r}: pick from {', '.join(SCENARIOS)}")
+        parser.error(f"unknown scenario {unknown[0]!r}: pick from {', '.join((*SCENARIOS, *NODE_SCENARIOS))}")
     load = os.getloadavg()[0]
     results: dict[str, list[dict]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory(prefix="ckptrun-rto-bench-") as scratch, contextlib.ExitStack() as cleanup:
@@ -273,7 +281,8 @@ def main() -> None:
         for index in range(args.repeats):  # scenarios interleaved within each repeat
             for name in chosen:
                 print(f"repeat {index + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
-                results[name].append(node_loss_repeat(Path(scratch), index, args.steps) if name == "node-loss" else
+                results[name].append(node_loss_repeat(Path(scratch), index, args.steps, memory=name == "peer-memory")
+                                     if name in NODE_SCENARIOS else
                                      one_repeat(Path(scratch), SCENARIOS[name], index, args.nproc, args.steps))
     document = {"nproc": args.nproc, "repeats": args.repeats, "load": [load, os.getloadavg()[0]],
                 "scenarios": {name: summary(repeats) for name, repeats in results.items()}}

@@ -160,7 +160,7 @@ def _fresh_launch(target: parts.Target, world: int) -> float:
     spec = target.spec.model_copy(update={"standby": False}) if target.spec is not None else None
     ranks = rto_nodes.ranks_per_node(target, world)
     parts.say(f"timing a no-op {ranks}-rank launch through a fresh agent (a spare's first attempt)")
-    return noop_attempt(ranks, spec).launch_s
+    return noop_attempt(ranks, spec, store=target.store).launch_s
 
 
 def hist_missing(target: parts.Target, key: str) -> bool:
