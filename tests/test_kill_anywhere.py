@@ -71,7 +71,8 @@ def test_kills_at_any_instant_of_a_save_never_publish_an_incomplete_snapshot(tmp
     print(f"kills: {len(fired)}, inside a save: {[(f['rank'], f['save_phase']) for f in in_saves]}")
     assert len(in_saves) >= 5, f"only {len(in_saves)} of {len(fired)} kills landed inside a save: {fired}"
     assert {f["rank"] for f in in_saves} == {0, 1}  # 5 of 7 alternating kills hold both ranks
-    assert len({f["save_phase"] for f in in_saves}) >= 3, "the kills are spread over the phases of a save"
+    # which phase each random instant hits depends on this machine's speed (a CI run found 2 phases of 6 kills):
+    # a kill in each phase, deterministically, is test_launch_e2e's kill-in-each-save-phase
 
     # every restore took the newest complete snapshot: at least as new as every save published before it
     saved = events(faulty, "snapshot_saved")
