@@ -1,7 +1,9 @@
 """Synthetic snapshots for tests, built through runtime.storage.store without torch.
 
 The files are arbitrary bytes: what matters to verify, retention and lineage is
-the manifest and the directory layout, not what the tensors mean.
+the manifest and the directory layout, not what the tensors mean. ``save_state``
+is the exception: a real snapshot of a given state, through the runtime's saver
+(it imports torch when called).
 """
 
 from __future__ import annotations
@@ -61,6 +63,24 @@ def make_chunked_snapshot(ckpt_dir: Path, step: int, parent: str | None = None, 
     (path / MANIFEST_NAME).write_text(manifest.model_copy(update={"files": entries, "tensors": tensors}).model_dump_json())
     assert read_manifest(path).verified_as_loaded
     return path
+
+
+def save_state(ckpt_dir: Path, state: object, step: int, lineage_name: str, legacy: bool = False) -> Path:
+    """A real snapshot of ``state`` (a ``snapshot.State``) written by the runtime's sync saver in this process
+    (``legacy``: in the format before raw tensor files, ``torch.save`` items and a pickled ``.metadata``)."""
+    from ckptrun.runtime.checkpoint import snapshot
+    from ckptrun.runtime.checkpoint.saver import Saver
+
+    lineage = store.ensure_lineage(ckpt_dir, lineage_name)
+    info = snapshot.SnapshotInfo(lineage_name, lineage.current, None, step, 0, 0, "fp32", {}, "")
+    results: list[snapshot.SaveResult] = []
+    snapshot.LEGACY.on = legacy
+    try:
+        Saver(ckpt_dir, "sha256", asynchronous=False).begin(state, info, lambda phase: None, results.append)
+    finally:
+        snapshot.LEGACY.on = False
+    assert results[0].ok, results[0].error
+    return results[0].path
 
 
 def make_temp_dir(ckpt_dir: Path, step: int, suffix: str = "abc123") -> Path:

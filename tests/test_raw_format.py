@@ -18,9 +18,7 @@ import pytest
 import torch
 
 from ckptrun.runtime.checkpoint import snapshot, tensor_file
-from ckptrun.runtime.checkpoint.saver import Saver
-from ckptrun.runtime.storage import store
-from snapshot_factory import flip_byte
+from snapshot_factory import flip_byte, save_state
 
 
 def state(step: int) -> tuple[snapshot.State, dict[str, torch.Tensor]]:
@@ -35,17 +33,8 @@ def state(step: int) -> tuple[snapshot.State, dict[str, torch.Tensor]]:
 
 
 def save(ckpt_dir: Path, step: int, legacy: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
-    lineage = store.ensure_lineage(ckpt_dir, "raw")
-    snapshot.LEGACY.on = legacy
     staged, tensors = state(step)
-    info = snapshot.SnapshotInfo("raw", lineage.current, None, step, 0, 0, "fp32", {}, "")
-    results: list[snapshot.SaveResult] = []
-    try:
-        Saver(ckpt_dir, "sha256", asynchronous=False).begin(staged, info, lambda phase: None, results.append)
-    finally:
-        snapshot.LEGACY.on = False
-    assert results[0].ok, results[0].error
-    return results[0].path, tensors
+    return save_state(ckpt_dir, staged, step, "raw", legacy), tensors
 
 
 def is_pickle(data: bytes) -> bool:

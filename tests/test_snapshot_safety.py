@@ -23,7 +23,7 @@ from ckptrun.runtime.checkpoint.dcp_io import UnsafeMetadataError, load_metadata
 from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.checkpoint.policies import Retention
 from ckptrun.runtime.checkpoint.retention import apply_retention
-from ckptrun.runtime.checkpoint.saver import Saver
+from snapshot_factory import save_state
 
 ODD = 10_001  # float32 elements: not a multiple of any buffer size, so a buffered tail is left to flush
 
@@ -31,19 +31,10 @@ ODD = 10_001  # float32 elements: not a multiple of any buffer size, so a buffer
 def save(ckpt_dir: Path, step: int, legacy: bool = False) -> Path:
     """A real snapshot of a small state, written through the runtime's sync saver in this process (``legacy``:
     in the format before raw tensor files, ``torch.save`` items and a pickled ``.metadata``)."""
-    snapshot.LEGACY.on = legacy
-    lineage = store.ensure_lineage(ckpt_dir, "safety")
     torch.manual_seed(step)
     state = snapshot.State({"objects": {}, "counters": {"step": step}}, {"model.w": torch.randn(ODD), "model.b": torch.randn(3, 5)},
                            {"rng": {}}, {"rng.torch": torch.randn(ODD)})
-    info = snapshot.SnapshotInfo("safety", lineage.current, None, step, 0, 0, "fp32", {}, "")
-    results: list[snapshot.SaveResult] = []
-    try:
-        Saver(ckpt_dir, "sha256", asynchronous=False).begin(state, info, lambda phase: None, results.append)
-    finally:
-        snapshot.LEGACY.on = False
-    assert results[0].ok, results[0].error
-    return results[0].path
+    return save_state(ckpt_dir, state, step, "safety", legacy)
 
 
 # --- item 5: fsync covers every byte ------------------------------------------------
