@@ -43,6 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ckptrun.cli.supervision.failure_alarm import FailureAlarm
 from ckptrun.cli.supervision.job_store import LEADER_LOST_S, JobStore, NodeWatch, StoreUnreachable
 from ckptrun.cli.supervision.many_nodes import JOIN_POLL_S
 from ckptrun.cli.supervision.memory_tier import MemoryDir
@@ -61,7 +62,15 @@ START_S, TRIAL_S, STEADY_S = 300.0, 60.0, 3.0
 
 
 class Counting(JobStore):
-    ops = 0  # the real JobStore, counting its requests (``get``: a wait and the get; a timed-out wait: it and its cancel)
+    """The real JobStore, counting its requests (``get``: a wait and the get; a timed-out wait: it and its cancel);
+    ``clients``: every one of this process (a node's own and its failure alarm's)."""
+
+    ops = 0
+    clients: list["Counting"] = []
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        Counting.clients.append(self)
 
     def _call(self, method: str, *args: Any) -> Any:
         self.ops += 2 if method == "get" else 1
@@ -87,6 +96,7 @@ def bare_world(job: JobStore, node: int, n: int, ckpt_dir: Path, leader: bool) -
     world.job, world.node, world.nodes, world.active = job, node, list(range(n)), list(range(n))
     world.watch, world.memory, world.memory_fetch = NodeWatch(NODE_TIMEOUT), MemoryDir(None), {}
     world.remote_failure = world.remote_stop = world.unreachable_since = world.verify_for = None
+    world.alarm, world.synced = FailureAlarm(job), float("-inf")
     world.spares = SpareBench(job, NODE_TIMEOUT) if leader else None
     world.ckpt_dir, world.run_id, world.attempt, world.launched = ckpt_dir, job.run_id, 0, 0.0
     world.spec = SimpleNamespace(store_url=None, allow_reshard=False, node_cache_dir=None)  # no --local-cache
@@ -96,8 +106,10 @@ def bare_world(job: JobStore, node: int, n: int, ckpt_dir: Path, leader: bool) -
 
 
 def relaunch(world: NodeWorld, attempt: int) -> AttemptWatch:
-    """NodeWorld.launch's store part: the attempt number, its start, no failure seen yet, a fresh watch."""
+    """NodeWorld.launch's store part: the attempt number, its start, no failure seen yet, the failure alarm armed
+    for it, a fresh watch."""
     world.attempt, world.launched, world.remote_failure = attempt, time.time(), None
+    world.alarm.arm(attempt)
     world.watch = NodeWatch(world.watch.timeout_s)
     return AttemptWatch(attempt, world.launched, None)
 
@@ -117,7 +129,7 @@ def pct(values: list[float], q: float) -> float | None:  # nearest rank: the p99
 
 
 def leader_main(conn: Connection, n: int, run_id: str, ckpt_dir: Path) -> None:
-    raise_nofile(n + 256)
+    raise_nofile(2 * n + 256)  # every node's client and its failure alarm's
     job = Counting.host(run_id, HOST, 0)
     job.set_token("bench-token")  # as many_nodes._publish_token: before the others join
     world = bare_world(job, 0, n, ckpt_dir, leader=True)
@@ -141,7 +153,7 @@ def leader_main(conn: Connection, n: int, run_id: str, ckpt_dir: Path) -> None:
         world.sleep(TIMEOUTS.poll)  # the supervisor's sleep: the attempt's failure key ends it
         if conn.poll(0):  # the harness asked for figures meanwhile
             conn.recv()
-            conn.send(("stats", job.ops, cpu_s() - cpu0, polls))
+            conn.send(("stats", sum(c.ops for c in Counting.clients), cpu_s() - cpu0, polls))
             polls = []
 
 
@@ -165,9 +177,9 @@ def decide(world: NodeWorld, node_job: TimedJob, watch: AttemptWatch) -> tuple[f
 
 
 def agents_main(conn: Connection, nodes: list[int], n: int, port: int, run_id: str, ckpt_dir: Path) -> None:
-    raise_nofile(len(nodes) + 256)
+    raise_nofile(2 * len(nodes) + 256)
     threading.stack_size(512 * 1024)
-    shared = SimpleNamespace(go=threading.Event(), events=queue.SimpleQueue(), stores=[], failing=set(), n=n,
+    shared = SimpleNamespace(go=threading.Event(), events=queue.SimpleQueue(), failing=set(), n=n,
                              port=port, run_id=run_id, ckpt_dir=ckpt_dir)
     for thread in (threads := [threading.Thread(target=agent, args=(node, shared), daemon=True) for node in nodes]):
         thread.start()
@@ -182,7 +194,7 @@ def agents_main(conn: Connection, nodes: list[int], n: int, port: int, run_id: s
             elif command[0] == "fail":  # at its next poll: the figures count from its report
                 shared.failing.add(command[1])
             else:
-                conn.send(("stats", sum(s.ops for s in shared.stores), cpu_s() - cpu0))
+                conn.send(("stats", sum(c.ops for c in Counting.clients), cpu_s() - cpu0))
         if batch := [shared.events.get() for _ in range(shared.events.qsize())]:
             conn.send(("events", batch))
     conn.send(("done", cpu_s() - cpu0))
@@ -201,7 +213,6 @@ def agent(node: int, shared: SimpleNamespace) -> None:
             except StoreUnreachable:
                 if time.monotonic() > deadline:
                     raise
-        shared.stores.append(job)
         while job.token() is None and time.monotonic() < deadline:  # many_nodes._join
             time.sleep(JOIN_POLL_S)
         world = bare_world(job, node, shared.n, shared.ckpt_dir, leader=False)
@@ -367,7 +378,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--nodes", default="8,64,256,1024")
     parser.add_argument("--repeats", type=int, default=10, help="failures per N (p50/p99 over them)")
-    parser.add_argument("--agents-per-proc", type=int, default=128, help="simulated nodes (threads) per process")
+    parser.add_argument("--agents-per-proc", type=int, default=64,
+                        help="simulated nodes (threads) per process (more share one GIL: 128 doubles their CPU)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: the finally blocks end the children

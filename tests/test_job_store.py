@@ -147,7 +147,7 @@ def test_each_node_verifies_a_disjoint_share_and_a_bad_share_skips_the_snapshot_
 
     def follow() -> None:
         while not stop.is_set():
-            answer(follower, 3, 1, done)
+            answer(follower, _latest_word(follower).get("verify"), 3, 1, done)
             stop.wait(0.02)
 
     thread = threading.Thread(target=follow)
@@ -163,6 +163,69 @@ def test_each_node_verifies_a_disjoint_share_and_a_bad_share_skips_the_snapshot_
     first = leader.verify_verdicts("3.1", [0, 1])
     assert first[0]["ok"] and first[0]["files"] == 2 and not first[1]["ok"] and first[1]["files"] == 1
     assert any("skipping step-000000010" in line and "node 1" in line for line in said), said
+
+
+def _latest_word(job: JobStore) -> dict:
+    told = job.news()
+    return job.word(told) if told else {}
+
+
+@pytest.mark.timeout(25)
+def test_followers_send_their_share_with_the_teardown_ack_and_the_leader_asks_no_round_when_all_agree(tmp_path) -> None:
+    """Issue 26: followers verify their share of the newest snapshot before they acknowledge the teardown; the
+    leader takes those verdicts as round 1 and never names a candidate (no verify round, no follower answering).
+    A bad share among them skips the snapshot for all, and round 2, on the older one, is asked as before."""
+    import threading
+    from types import SimpleNamespace
+
+    from snapshot_factory import flip_byte, make_snapshot
+
+    from ckptrun.cli.supervision.node_verify import answer, choose
+    from ckptrun.runtime.manifest import read_manifest
+
+    ckpt = tmp_path / "ckpt"
+    make_snapshot(ckpt, 5)
+    newest = make_snapshot(ckpt, 10)
+    leader = JobStore.host("run-e", "127.0.0.1", 0)
+    followers = {n: JobStore.connect("run-e", "127.0.0.1", leader.port, timeout_s=5) for n in (1, 2)}
+
+    def ack(attempt: int) -> None:
+        for node, store in followers.items():
+            job = _node_job(store, node)
+            job.world.ckpt_dir, job.world.run_id, job.world.active = ckpt, "run-e", [0, 1, 2]
+            job.torn_down(SimpleNamespace(attempt=attempt, teardown_s=0.1))
+
+    ack(3)
+    said: list[str] = []
+    chosen = choose(leader, 3, ckpt, [0, 1, 2], 0, said.append)  # nobody answers a round: none may be asked
+    assert chosen is not None and chosen.step == 10, said
+    assert leader.read(leader.key("a3", "verify")) is None and "verify" not in _latest_word(followers[1])
+    verdicts = {n: a["verified"] for n, a in leader.teardown_acks(3, [1, 2]).items()}
+    assert {n: (v["path"], v["files"], v["ok"]) for n, v in verdicts.items()} == {1: (str(newest), 1, True),
+                                                                                  2: (str(newest), 1, True)}
+
+    flip_byte(newest / read_manifest(newest).files[2].path)  # node 2's share of three nodes: file 2
+    ack(4)
+    done: dict[int, set[int]] = {1: set(), 2: set()}
+    stop = threading.Event()
+
+    def follow(node: int) -> None:
+        while not stop.is_set():
+            answer(followers[node], _latest_word(followers[node]).get("verify"), 4, node, done[node])
+            stop.wait(0.02)
+
+    threads = [threading.Thread(target=follow, args=(n,)) for n in (1, 2)]
+    for thread in threads:
+        thread.start()
+    try:
+        chosen = choose(leader, 4, ckpt, [0, 1, 2], 0, said.append)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert chosen is not None and chosen.step == 5, said
+    assert done == {1: {2}, 2: {2}}  # round 1 came with the acks; round 2 was asked and answered
+    assert any("skipping step-000000010" in line and "node 2" in line for line in said), said
 
 
 # --- the multi-node job's decisions, on a real store (the world that would launch ranks is a stand-in) ---
@@ -200,12 +263,17 @@ def test_a_follower_takes_the_next_attempt_by_its_number_never_by_the_leaders_cl
     leader = JobStore.host("run-n", "127.0.0.1", 0)
     follower = JobStore.connect("run-n", "127.0.0.1", leader.port, timeout_s=5)
     behind = time.time() - 3600.0
-    leader.put(leader.key("attempt"), {"attempt": 3, "snapshot": None, "nodes": [0, 1], "time": behind})
+
+    def say_attempt(record: dict) -> None:  # as start_attempt says it, with the leader's clock an hour behind
+        leader.put(leader.key("attempt"), record)
+        leader._tell(attempt=record)
+
+    say_attempt({"attempt": 3, "snapshot": None, "nodes": [0, 1], "time": behind})
     thread, result = _in_thread(lambda: _node_job(follower, 1).start(1, None))
     assert wait_for(lambda: leader.node(1), timeout=20.0)  # it joined after reading attempt 3
-    leader.put(leader.key("attempt"), {"attempt": 4, "snapshot": None, "nodes": [0], "time": behind})  # not its
+    say_attempt({"attempt": 4, "snapshot": None, "nodes": [0], "time": behind})  # not its
     snapshot = {"path": "/ckpt/step-000000010", "step": 10}
-    leader.put(leader.key("attempt"), {"attempt": 5, "snapshot": snapshot, "nodes": [0, 1], "time": behind})
+    say_attempt({"attempt": 5, "snapshot": snapshot, "nodes": [0, 1], "time": behind})
     thread.join(timeout=20.0)
     assert result and result[0][0] == 5 and result[0][1].step == 10
 
@@ -241,7 +309,7 @@ def test_a_follower_hashing_its_share_keeps_beating(tmp_path, monkeypatch) -> No
     leader = JobStore.host("run-b", "127.0.0.1", 0)
     follower = JobStore.connect("run-b", "127.0.0.1", leader.port, timeout_s=5)
     leader.ask_verify(2, 1, str(snapshot), [0, 1])
-    node_verify.answer(follower, 2, 1, set())
+    node_verify.answer(follower, _latest_word(follower).get("verify"), 2, 1, set())
     assert leader.heartbeats([1])[1]["state"] == "verifying"
     assert leader.verify_verdicts("2.1", [0, 1])[1]["ok"]
 
@@ -355,22 +423,34 @@ LONG_POLL_S = 30.0  # longer than the test's timeout: a waiter that slept out it
 
 @pytest.mark.timeout(25)
 def test_each_hop_of_a_restart_wakes_on_its_key_not_on_the_next_poll(tmp_path) -> None:
-    """Issue 26: with a 30 s poll everywhere, a node's sleep ends on another node's failure, the leader's wait on
+    """Issue 26: with a 30 s poll everywhere, a node's sleep ends on another node's failure (asking the store, or
+    on its failure alarm's event), the leader's wait on
     the last teardown ack, a follower's wait on the verify round (its verdict ends the leader's wait) and then on
     the next attempt. A wait that times out leaves the connection usable."""
     from snapshot_factory import make_snapshot
 
+    from launch_helpers import wait_for
+
+    from ckptrun.cli.supervision.failure_alarm import FailureAlarm
     from ckptrun.cli.supervision.node_world import NodeWorld
 
     leader = JobStore.host("run-w", "127.0.0.1", 0)
     follower = JobStore.connect("run-w", "127.0.0.1", leader.port, timeout_s=5)
     assert not follower.wait_for([follower.key("never")], 0.05) and follower.attempt() is None
     leader.start_attempt(1, None, [0, 1])
-    world = NodeWorld.__new__(NodeWorld)  # only what its sleep reads: the store and the attempt
-    world.job, world.attempt = follower, 1
+    world = NodeWorld.__new__(NodeWorld)  # only what its sleep reads: the store, the attempt, the failure alarm
+    world.job, world.attempt, world.alarm = follower, 1, FailureAlarm(follower)  # not armed: asks the store
     sleeping, _ = _in_thread(lambda: world.sleep(LONG_POLL_S))
     leader.report_failure(1, node=0, ranks=[0], cause="crash")
     sleeping.join()
+    world.attempt = 3  # armed: the alarm's thread holds the wait, the sleep waits on its event
+    world.alarm.arm(3)
+    assert wait_for(lambda: world.alarm.listening(3), timeout=20.0)
+    sleeping, _ = _in_thread(lambda: world.sleep(LONG_POLL_S))
+    leader.report_failure(3, node=0, ranks=[0], cause="crash")
+    sleeping.join()
+    assert world.alarm.take(3) and not world.alarm.take(3)  # rung once: the poll reads the failure then
+    world.alarm.close()
     gathering = _node_job(leader, 0, poll=LONG_POLL_S)
     gathering.world.active = [0, 1]
     acks, _ = _in_thread(lambda: gathering._wait_for_acks(1))

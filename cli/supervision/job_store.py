@@ -15,8 +15,9 @@ Keys live under ``ckptrun/<run>/`` and hold small JSON documents:
     a<N.r>/verify/<k>     node k's verdict on its share of round r's candidate
     stop                  a stop asked on any node (signal, ``ckptrun stop``, time limit)
     verdict               how the job ends, decided by the leader: done, stopped, gave up, requeue
-    news, news/<n>        the leader's n-th word to the followers (``attempt``, ``a<N>/verify`` or ``verdict``
-                          changed): a follower between attempts waits for the one after those it has read
+    news, news/<n>        the leader's n-th word to the followers, written when ``attempt``, ``a<N>/verify`` or
+                          ``verdict`` changed and holding the latest of all three (then the count ``news`` moves):
+                          a follower between attempts reads one word, then waits for the next
     ckpt_token            the token the leader wrote into the checkpoint dir (same storage everywhere?)
     spare/joins           how many spare launchers joined (``launch --spare``): spare s is the s-th
     spare/<s>             spare s: pid, host; spare/<s>/beat its heartbeat; spare/<s>/promoted the node it takes
@@ -48,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable
+
+from ckptrun.cli.supervision.node_list import nodes_listed, pack_nodes
 
 LEADER_LOST_S = 3.0  # a client that cannot reach the leader's store this long tears down and exits (requeue)
 DEFAULT_TIMEOUT_S = 10.0  # a client's connect and blocking-call limit: how long a lost leader can keep it waiting
@@ -86,6 +89,9 @@ class JobStore:
     is_leader: bool = False
     known: set[str] = field(default_factory=set, init=False, repr=False)  # keys seen to exist (never deleted)
     listed: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)  # (index, member) appended
+    failures: dict[str, dict[str, Any]] = field(default_factory=dict, init=False, repr=False)  # a<N>/failure, read
+    said: dict[str, Any] = field(default_factory=dict, init=False, repr=False)  # the leader's: its latest words
+    told: int = field(default=0, init=False, repr=False)  # the leader's: words said
 
     def __post_init__(self) -> None:
         self.batched = bool(getattr(self.store, "has_extended_api", lambda: False)())  # append, multi_get
@@ -134,14 +140,16 @@ class JobStore:
             return [self._call("get", key) for key in keys]
         return [value for start in range(0, len(keys), 4096) for value in self._call("multi_get", keys[start:start + 4096])]
 
-    def _put_listed(self, index: str, member: object, key: str, value: dict[str, Any]) -> None:
+    def _put_listed(self, index: str, member: object, key: str, value: dict[str, Any], sync: bool = True) -> None:
         """Write ``key``, then list ``member`` in ``index`` (once per client): a reader that finds it listed
         knows the key exists (one connection's requests are served in order). ``set`` and ``append`` get no
-        answer: the first write waits for one (a ``check``), so it is visible to every client once it returns."""
+        answer: the first write waits for one (a ``check``), so it is visible to every client once it returns;
+        ``sync=False``: not waited for (the caller's next request on this connection comes after it anyway)."""
         self.put(key, value)
         if self.batched and (index, str(member)) not in self.listed:
             self._call("append", index, f"{member},")
-            self._call("check", [index])
+            if sync:
+                self._call("check", [index])
             self.listed.add((index, str(member)))
 
     def _members(self, index: str) -> set[str]:
@@ -250,21 +258,31 @@ class JobStore:
 
     def start_attempt(self, attempt: int, snapshot: dict[str, Any] | None, nodes: list[int]) -> None:
         """The leader's word: every node runs ``attempt`` from ``snapshot`` (step, digest, path; None: scratch)."""
-        self.put(self.key("attempt"), {"attempt": attempt, "snapshot": snapshot, "nodes": nodes, "time": time.time()})
-        self._tell()
+        record = {"attempt": attempt, "snapshot": snapshot, "nodes": pack_nodes(nodes), "time": time.time()}
+        self.put(self.key("attempt"), record)
+        self._tell(attempt=record)
 
     def attempt(self) -> dict[str, Any] | None:
-        return self.read(self.key("attempt"))
+        return nodes_listed(self.read(self.key("attempt")))
 
-    def _tell(self) -> None:
-        """After the leader wrote what the followers wait for: its next ``news/<n>`` wakes them (the count
-        moves after the write, on the same connection, so a follower woken by it reads the new value)."""
-        told = int(self._call("add", self.key("news"), 1))
-        self.put(self.key("news", told), {"time": time.time()})
+    def _tell(self, **said: Any) -> None:
+        """After the leader wrote what the followers wait for: its next word, ``news/<n>``, wakes them and holds
+        all it said so far (the attempt, the verify round, the verdict), so a woken follower reads one key. The
+        count moves after the word is written, on the same connection: ``news/<count>`` always exists."""
+        self.said.update(said, time=time.time())
+        self.told += 1
+        self.put(self.key("news", self.told), self.said)
+        self._call("add", self.key("news"), 1)
 
     def news(self) -> int:
-        """How many words the leader said so far: read it before the keys it announces, then wait for the next."""
+        """How many words the leader said so far (read it, :meth:`word` it, then wait for the next)."""
         return int(self._call("add", self.key("news"), 0))
+
+    def word(self, n: int) -> dict[str, Any]:
+        """The leader's ``n``-th word (it exists: counted or waited for): its latest attempt, verify, verdict."""
+        self.known.add(self.key("news", n))
+        word = json.loads(self._fetch([self.key("news", n)])[0])
+        return {**word, "attempt": nodes_listed(word.get("attempt")), "verify": nodes_listed(word.get("verify"))}
 
     def wait_for_news(self, after: int, timeout_s: float) -> bool:
         """The leader said something after its ``after``-th word (an attempt, a verify round, the verdict)."""
@@ -276,16 +294,27 @@ class JobStore:
         ``yield_s``: this node saw only a peer's connection error (collateral of a failure elsewhere), so it
         first waits that long for the node where the rank really died to report (its signal or exception)."""
         key = self.key(f"a{attempt}", "failure")
+        if key in self.failures:  # read already (a collateral failure): first writer won, nothing to send
+            return self.failures[key]
         mine = {"attempt": attempt, "node": node, "ranks": ranks, "cause": cause, "time": time.time(), **facts}
         deadline = time.monotonic() + yield_s
         while time.monotonic() < deadline:
-            if (other := self.read(key)) is not None:
+            if (other := self.failure(attempt)) is not None:
                 return other
             time.sleep(0.1)
-        return self.first(key, mine)
+        self.failures[key] = self.first(key, mine)
+        return self.failures[key]
 
-    def failure(self, attempt: int) -> dict[str, Any] | None:
-        return self.read(self.key(f"a{attempt}", "failure"))
+    def failure(self, attempt: int, exists: bool = False) -> dict[str, Any] | None:
+        """``attempt``'s first failure (written once: kept once read); ``exists``: the alarm rang (one request)."""
+        key = self.key(f"a{attempt}", "failure")
+        if key not in self.failures:
+            if exists:
+                self.known.add(key)
+            if (first := self.read(key)) is None:
+                return None
+            self.failures[key] = first
+        return self.failures[key]
 
     def wait_for_failure(self, attempt: int, timeout_s: float) -> bool:
         """True when a node reported ``attempt``'s failure within ``timeout_s``; False at once when this client
@@ -294,8 +323,14 @@ class JobStore:
         return key not in self.known and self.wait_for([key], timeout_s)
 
     def ack_teardown(self, attempt: int | str, node: int, **facts: Any) -> None:
+        """Node ``node`` tore ``attempt`` down (``"end"``: the job's end, waited for: the launcher exits next)."""
         self._put_listed(self.key(f"a{attempt}", "down", "index"), node, self.key(f"a{attempt}", "down", node),
-                         {"node": node, "time": time.time(), **facts})
+                         {"node": node, "time": time.time(), **facts}, sync=attempt == "end")
+
+    def teardown_acked(self, attempt: int | str, nodes: Iterable[int]) -> set[int]:
+        """Which of ``nodes`` acknowledged the teardown: their index in one request, the documents unread."""
+        listed = self._members(self.key(f"a{attempt}", "down", "index")) if self.batched else None
+        return set(self.teardown_acks(attempt, nodes)) if listed is None else {n for n in nodes if str(n) in listed}
 
     def teardown_acks(self, attempt: int | str, nodes: Iterable[int]) -> dict[int, dict[str, Any]]:
         return self.read_many(((n, self.key(f"a{attempt}", "down", n)) for n in nodes),
@@ -306,11 +341,9 @@ class JobStore:
 
     def ask_verify(self, attempt: int, round: int, path: str, nodes: list[int]) -> None:
         """The leader's candidate for the attempt after ``attempt``: every node verifies its share of it."""
-        self.put(self.key(f"a{attempt}", "verify"), {"round": round, "path": path, "nodes": nodes, "time": time.time()})
-        self._tell()
-
-    def verify_asked(self, attempt: int) -> dict[str, Any] | None:
-        return self.read(self.key(f"a{attempt}", "verify"))
+        asked = {"attempt": attempt, "round": round, "path": path, "nodes": pack_nodes(nodes), "time": time.time()}
+        self.put(self.key(f"a{attempt}", "verify"), asked)
+        self._tell(verify=asked)
 
     def post_verify(self, attempt: int | str, node: int, ok: bool, files: int, seconds: float, problems: list[str]) -> None:
         self._put_listed(self.key(f"a{attempt}", "verify", "index"), node, self.key(f"a{attempt}", "verify", node),
@@ -334,8 +367,9 @@ class JobStore:
 
     def set_verdict(self, action: str, code: int, message: str, **facts: Any) -> None:
         """How the job ends (leader only): ``done``, ``stopped``, ``gave_up`` or ``requeue``, with the exit code."""
-        self.put(self.key("verdict"), {"action": action, "code": code, "message": message, "time": time.time(), **facts})
-        self._tell()
+        verdict = {"action": action, "code": code, "message": message, "time": time.time(), **facts}
+        self.put(self.key("verdict"), verdict)
+        self._tell(verdict=verdict)
 
     def verdict(self) -> dict[str, Any] | None:
         return self.read(self.key("verdict"))

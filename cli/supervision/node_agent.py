@@ -27,8 +27,8 @@ from typing import Any
 from ckptrun.cli.errors import EXIT_NO, EXIT_REQUEUE
 from ckptrun.cli.supervision.job import Next
 from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
-from ckptrun.cli.supervision.node_verify import answer
-from ckptrun.cli.supervision.node_world import LEADER_LOST_S, LeaderLost, NodeWorld, post_failure
+from ckptrun.cli.supervision.node_verify import answer, early_share
+from ckptrun.cli.supervision.node_world import LEADER_LOST_S, SYNC_EVERY_S, LeaderLost, NodeWorld, post_failure
 from ckptrun.cli.supervision.observation import AttemptWatch, Outcome, Snapshot, StopControl
 from ckptrun.cli.supervision.policy import GiveUp, Timeouts
 
@@ -74,11 +74,25 @@ class NodeJob:
         return first if first is not None and first.get("node") != self.world.node else None
 
     def torn_down(self, watch: AttemptWatch) -> None:
-        """Tell the leader this node's ranks are gone, and (memory tier) which of its memory steps are usable."""
-        memory = self.world.memory.usable_steps(self.world.ckpt_dir, self.world.run_id) if not self.leader else []
-        replicas = self.world.memory.replica_steps(self.world.ckpt_dir, self.world.run_id) if not self.leader else {}
+        """Tell the leader this node's ranks are gone, (memory tier) which of its memory steps are usable, and
+        its verdict on its share of the newest snapshot (:func:`~ckptrun.cli.supervision.node_verify.early_share`)."""
+        if self.leader:
+            self._call(self.job.ack_teardown, watch.attempt, self.world.node, teardown_s=watch.teardown_s)
+            return
+        memory = self.world.memory.usable_steps(self.world.ckpt_dir, self.world.run_id)
+        replicas = self.world.memory.replica_steps(self.world.ckpt_dir, self.world.run_id)
         self._call(self.job.ack_teardown, watch.attempt, self.world.node, teardown_s=watch.teardown_s,
-                   memory_steps=memory, replica_steps=replicas)
+                   memory_steps=memory, replica_steps=replicas, verified=self._early_verdict(watch.attempt))
+
+    def _early_verdict(self, attempt: int) -> dict[str, Any] | None:
+        """This node's share of the snapshot the leader will most likely verify next (not with an object store:
+        the leader reads that one's listing alone)."""
+        if getattr(self.world.spec, "store_url", None):
+            return None
+        try:
+            return self._call(early_share, self.job, attempt, self.world.ckpt_dir, self.world.node, self.world.active)
+        except OSError:  # the checkpoint dir is not readable here: the leader's round asks again
+            return None
 
     def ended(self, outcome: Outcome, restarts: int) -> None:
         if self.leader:
@@ -139,15 +153,17 @@ class NodeJob:
 
     def _wait_for_acks(self, attempt: int) -> None:
         """Every node has torn attempt ``attempt`` down (a silent or relaunched node is not waited for): the
-        last ack's key wakes the wait, which still ends every poll to look for silent nodes."""
-        deadline = time.monotonic() + self.timeouts.grace + self.world.watch.timeout_s
+        last ack's key wakes the wait, which ends every second to look for silent nodes."""
+        deadline, judged, gone = time.monotonic() + self.timeouts.grace + self.world.watch.timeout_s, float("-inf"), set()
         while time.monotonic() < deadline:
-            gone = set(self._silent()) | set(self._relaunched())
-            acks = set(self.job.teardown_acks(attempt, self.world.active))
+            if time.monotonic() - judged >= SYNC_EVERY_S:  # every heartbeat and node record: once a second
+                gone, judged = set(self._silent()) | set(self._relaunched()), time.monotonic()
+            acks = self.job.teardown_acked(attempt, self.world.active)
             waiting = set(self.world.active) - acks - gone - {self.world.node}
             if not waiting:
                 return
-            self.job.wait_for_acks(attempt, sorted(waiting), min(self.timeouts.poll, deadline - time.monotonic()))
+            self.job.wait_for_acks(attempt, sorted(waiting), min(max(self.timeouts.poll, SYNC_EVERY_S),
+                                                                   deadline - time.monotonic()))
 
     def _others(self) -> list[int]:
         return [n for n in self.world.active if n != self.world.node]
@@ -264,50 +280,64 @@ class NodeJob:
 
     def _next_attempt(self, after_attempt: int) -> Next | Outcome:
         """Wait for the leader's word: an attempt numbered above ``after_attempt`` that lists this node (its
-        number, never the leader's clock, says it is new), or how the job ends. Between reads it waits on the
-        leader's next ``news`` key (read before what it announces), so a new word wakes it at once."""
-        unreachable, verified = None, set()
+        number, never the leader's clock, says it is new), or how the job ends. Each word holds everything the
+        leader said (attempt, verify round, verdict): read the latest once, then wait on the next ``news/<n>``
+        key, read when it wakes the wait (one request each)."""
+        unreachable, verified, told, fresh = None, set(), None, True
+        beaten = time.monotonic()  # its poll beat less than SYNC_EVERY_S ago
         while True:
-            try:
-                told = self.job.news()
-                verdict = self.job.verdict()
-                record = self.job.attempt()
-                unreachable = None
-            except StoreUnreachable as exc:
-                unreachable = unreachable or time.monotonic()
-                if time.monotonic() - unreachable >= LEADER_LOST_S:
-                    raise LeaderLost(str(exc)) from None
-                time.sleep(self.timeouts.poll)
-                continue
-            if record is not None:
-                self._call(answer, self.job, int(record["attempt"]), self.world.node, verified)
-            if verdict is not None:
-                return Outcome(int(verdict["code"]), str(verdict["message"]), verdict.get("hint"),
-                               restarts=int(verdict.get("restarts", 0)))
-            if is_next(record, after_attempt, self.world.node):
-                snap = record.get("snapshot")
-                resume = Snapshot(Path(snap["path"]), int(snap["step"])) if snap else None
-                self.world.memory_fetch = {int(n): peer for n, peer in ((snap or {}).get("fetch") or {}).items()}
-                if snap and snap.get("tier") == "memory":
-                    peer = self.world.memory_fetch.get(self.world.node)
-                    held = f"fetched from node {peer['from']}'s replica" if peer else "held by every node"
-                    resume = self.world.memory.use_step(int(snap["step"]), f"the leader chose memory step {snap['step']}, "
-                                                        + held, self.world.event, self.world.say, peer=peer)
-                else:  # durable; with --local-cache on many nodes, this node's own copy: its files from its
-                    # cache, the others' downloaded (its own restore_source)
-                    own = bool(snap) and self.world.spec.node_cache_dir is not None and self.world.source.remote is not None
-                    if int(record["attempt"]) > 1 and self.world.memory.path is not None:
-                        self.world.memory.use_step(None, "the leader chose the durable snapshot", self.world.event,
-                                                   self.world.say, resume, durable_told=own)
-                    if own:
-                        resume = self.world.source.own_copy(str(snap["digest"]), int(snap["step"])) or resume
-                self.world.active = [int(n) for n in record["nodes"]]
-                return int(record["attempt"]), resume
-            self._call(self.job.beat, self.world.node, attempt=after_attempt, state="waiting")
+            if fresh:  # a word not read yet (or the store was unreachable)
+                try:
+                    told = self.job.news() if told is None else told
+                    word = self.job.word(told) if told else {}
+                    unreachable, fresh = None, False
+                except StoreUnreachable as exc:
+                    unreachable = unreachable or time.monotonic()
+                    if time.monotonic() - unreachable >= LEADER_LOST_S:
+                        raise LeaderLost(str(exc)) from None
+                    time.sleep(self.timeouts.poll)
+                    continue
+                record, verdict = word.get("attempt"), word.get("verdict")
+                if record is not None:
+                    self._call(answer, self.job, word.get("verify"), int(record["attempt"]), self.world.node, verified)
+                if verdict is not None:
+                    return Outcome(int(verdict["code"]), str(verdict["message"]), verdict.get("hint"),
+                                   restarts=int(verdict.get("restarts", 0)))
+                if is_next(record, after_attempt, self.world.node):
+                    return self._run_next(record)  # type: ignore[arg-type]
+            if time.monotonic() - beaten >= SYNC_EVERY_S:  # the leader judges silence over >= 5 s
+                beaten = time.monotonic()
+                self._call(self.job.beat, self.world.node, attempt=after_attempt, state="waiting")
             if self.stop.reason(time.time(), self.world.stop_file_present()):
                 self._call(self.job.request_stop, self.world.node, "stop while waiting for the leader")
-            if self._call(self.job.wait_for_news, told, self.timeouts.poll) is None:  # unreachable: the next
-                time.sleep(self.timeouts.poll)  # read counts how long
+            woke = self._call(self.job.wait_for_news, told, max(self.timeouts.poll, SYNC_EVERY_S))  # its key ends it
+            if woke is None:  # unreachable: the next read counts how long
+                fresh = True
+                time.sleep(self.timeouts.poll)
+            elif woke:
+                told, fresh = told + 1, True  # type: ignore[operator]
+
+    def _run_next(self, record: dict[str, Any]) -> Next:
+        """The leader's next attempt for this node: its number, and the snapshot it resumes from, as this node
+        reaches it (its memory copy or a replica's, its node cache, or the durable one)."""
+        snap = record.get("snapshot")
+        resume = Snapshot(Path(snap["path"]), int(snap["step"])) if snap else None
+        self.world.memory_fetch = {int(n): peer for n, peer in ((snap or {}).get("fetch") or {}).items()}
+        if snap and snap.get("tier") == "memory":
+            peer = self.world.memory_fetch.get(self.world.node)
+            held = f"fetched from node {peer['from']}'s replica" if peer else "held by every node"
+            resume = self.world.memory.use_step(int(snap["step"]), f"the leader chose memory step {snap['step']}, "
+                                                + held, self.world.event, self.world.say, peer=peer)
+        else:  # durable; with --local-cache on many nodes, this node's own copy: its files from its
+            # cache, the others' downloaded (its own restore_source)
+            own = bool(snap) and self.world.spec.node_cache_dir is not None and self.world.source.remote is not None
+            if int(record["attempt"]) > 1 and self.world.memory.path is not None:
+                self.world.memory.use_step(None, "the leader chose the durable snapshot", self.world.event,
+                                           self.world.say, resume, durable_told=own)
+            if own:
+                resume = self.world.source.own_copy(str(snap["digest"]), int(snap["step"])) or resume
+        self.world.active = list(record["nodes"])
+        return int(record["attempt"]), resume
 
     # --- endings --------------------------------------------------------------------------------
 

@@ -7,8 +7,11 @@ beats this node's heartbeat into the store and reads what other nodes said:
 a failure of this attempt anywhere tears the local ranks down at once; a
 stop asked on any node becomes this node's stop. The leader also judges the
 other nodes' heartbeats: a silent node's supervisor is a failure of the
-attempt ("node lost"). Its sleep between polls waits on the attempt's
-failure key, so a failure on any node wakes every node in one round trip.
+attempt ("node lost"). Its sleep between polls ends on the attempt's
+failure key (a :class:`~ckptrun.cli.supervision.failure_alarm.FailureAlarm`
+holds one long wait on it), so a failure on any node wakes every node in one
+round trip; the beat, the stop and the other nodes' heartbeats, judged
+against a node timeout of 5 s or more, are read every :data:`SYNC_EVERY_S`.
 A client that cannot reach the store for :data:`LEADER_LOST_S` raises
 :class:`LeaderLost`. Per-node files (logs, lock, holder) live under
 ``RUN_DIR/nodes/node-<k>/``: one writer per file.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptrun.cli.supervision.failure_alarm import FailureAlarm
 from ckptrun.cli.supervision.job import JobLost
 from ckptrun.cli.supervision.job_store import LEADER_LOST_S, JobStore, NodeWatch, StoreUnreachable
 from ckptrun.cli.supervision.node_env import NodeSettings
@@ -37,6 +41,7 @@ from ckptrun.runtime import records
 from ckptrun.runtime.env import RunEnv
 
 RANKS_NAME = "ranks.json"  # in nodes/node-k: the global ranks this node runs in its current attempt
+SYNC_EVERY_S = 1.0  # beat, stop and (leader) heartbeats: a node is stale after >= 5 s without a beat
 RUN_EVENTS = ("attempt_start", "restart", "run_completed", "run_stopped", "gave_up")  # the leader's alone
 
 
@@ -114,6 +119,7 @@ class NodeWorld(LocalWorld):
         self.resumed_from_memory = False  # the current attempt restores this node's memory copy
         self.memory_fetch: dict[int, dict[str, int]] = {}  # the next attempt's fetches from replicas: node -> holder, bytes
         self.spares = SpareBench(job, node_timeout, self.event) if settings.leader else None  # launchers waiting to replace a node
+        self.alarm, self.synced = FailureAlarm(job), float("-inf")  # the last full sync (monotonic)
 
     # --- launching ---
 
@@ -122,6 +128,7 @@ class NodeWorld(LocalWorld):
         os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_RDZV_ID": rdzv_id(self.settings.job_id or "", attempt),
                            "PET_RDZV_CONF": f"is_host={int(self.settings.leader)}"})
         self.remote_failure = None
+        self.alarm.arm(attempt)
         self.resumed_from_memory = self.memory.holds(resume_from)
         self.spec = self.spec.model_copy(update={"nnodes": str(len(self.active))})  # torchrun's: this attempt's nodes
         super().launch(attempt, resume_from)
@@ -137,6 +144,9 @@ class NodeWorld(LocalWorld):
     def sleep(self, seconds: float) -> None:
         """Between two polls: a failure of this attempt reported on any node ends the sleep at once (the next
         poll reads it); once this node has read it, or without the store, a plain sleep."""
+        if self.alarm.listening(self.attempt):
+            self.alarm.wait(seconds)
+            return
         until = time.monotonic() + seconds
         with contextlib.suppress(StoreUnreachable):  # the next poll's sync counts how long it is unreachable
             if self.job.wait_for_failure(self.attempt, seconds):
@@ -159,14 +169,21 @@ class NodeWorld(LocalWorld):
         return obs
 
     def sync(self, now: float) -> None:
-        """Beat; read this attempt's first failure and any stop; the leader also watches the other nodes."""
+        """Beat; read this attempt's first failure and any stop; the leader also watches the other nodes. The
+        failure is read when the alarm rang (or does not listen yet), the rest every :data:`SYNC_EVERY_S`."""
+        due, rang = time.monotonic() - self.synced >= SYNC_EVERY_S, self.alarm.take(self.attempt)
+        ask = rang or not self.alarm.listening(self.attempt)  # a listening alarm's silence: no failure yet
+        if not (due or ask):
+            return
         try:
-            self.job.beat(self.node, attempt=self.attempt, pid=os.getpid())
-            failure = self.job.failure(self.attempt)
-            self.remote_stop = self.remote_stop or self.job.stop_request()
-            if self.settings.leader:
-                failure = failure or self._lost_node(now)
-                self.spares.observe()  # type: ignore[union-attr]  # every poll: a spare's beat that stops is stale
+            failure = self.job.failure(self.attempt, exists=rang) if ask else None
+            if due:
+                self.synced = time.monotonic()
+                self.job.beat(self.node, attempt=self.attempt, pid=os.getpid())
+                self.remote_stop = self.remote_stop or self.job.stop_request()
+                if self.settings.leader:
+                    failure = failure or self._lost_node(now)
+                    self.spares.observe()  # type: ignore[union-attr]  # a spare's beat that stops is stale
             self.unreachable_since = None
         except StoreUnreachable as exc:
             self.unreachable_since = self.unreachable_since or now
@@ -262,6 +279,10 @@ class NodeWorld(LocalWorld):
         if self.process is not None and self.process.exit_code() is None:
             self.teardown(failed=True)
         self.close()
+
+    def close(self) -> None:
+        self.alarm.close()
+        super().close()
 
     def teardown(self, failed: bool = False) -> float:
         """This node's tree only: the sweep matches (run id, node), not other nodes' ranks on a shared host."""

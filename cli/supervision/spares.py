@@ -61,8 +61,8 @@ class SpareBench:
         self.known: set[int] = set()
 
     def observe(self) -> dict[int, dict[str, Any]]:
-        """Every spare and its beat, observed on the leader's clock (call it every poll: a beat that stops
-        changing is stale after the node timeout). A spare seen the first time is a ``spare_joined`` event:
+        """Every spare and its beat, observed on the leader's clock (call it every second or so: a beat that
+        stops changing is stale after the node timeout). A spare seen the first time is a ``spare_joined`` event:
         what ``estimate-rto`` reads to model a lost node's replacement."""
         spares = self.job.spares()
         self.watch.observe(self.job.spare_beats(spares), time.time())

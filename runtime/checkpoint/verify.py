@@ -134,16 +134,18 @@ def verify_snapshot(
     uncached: bool = False,
     share: tuple[int, int] = (0, 1),
     at_load: bool = False,
+    manifest: Manifest | None = None,
 ) -> SnapshotReport:
     """Check one snapshot: manifest valid, every file present, right size and (unless quick) digest,
     read past the page cache with ``uncached``. ``share=(i, n)``: only the listed files i, i+n, i+2n… (one
     node's part of a verify spread over n nodes; share 0 also looks for unlisted files). ``at_load``: the
-    check before a load, which leaves the digests of a chunked manifest to the loader (``report.deferred``)."""
+    check before a load, which leaves the digests of a chunked manifest to the loader (``report.deferred``).
+    ``manifest``: the one the caller read from ``path`` already."""
     step = _step_of(path)
     if not path.exists():
         return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"])
     try:
-        manifest = read_manifest(path)
+        manifest = manifest or read_manifest(path)
     except ManifestError as exc:
         if not path.exists():
             return SnapshotReport(path, step, VANISHED, ["deleted while verifying (retention)"])
