@@ -56,6 +56,7 @@ class NodeJob:
         self.first_attempt, self.resume = 1, None  # the loop's first attempt and its snapshot (set by start)
         self.waited = 0.0  # the leader's last gather: how long it waited for lost nodes (the RTO ledger)
         self.lost_nodes: list[int] = []
+        self.told: int | None = None  # a follower: the leader's words read (the next one it waits for is after)
 
     @property
     def job(self) -> JobStore:
@@ -281,9 +282,10 @@ class NodeJob:
     def _next_attempt(self, after_attempt: int) -> Next | Outcome:
         """Wait for the leader's word: an attempt numbered above ``after_attempt`` that lists this node (its
         number, never the leader's clock, says it is new), or how the job ends. Each word holds everything the
-        leader said (attempt, verify round, verdict): read the latest once, then wait on the next ``news/<n>``
-        key, read when it wakes the wait (one request each)."""
-        unreachable, verified, told, fresh = None, set(), None, True
+        leader said (attempt, verify round, verdict): read the latest once (after the first time: the one after
+        the word that started this node's attempt), then wait on the next ``news/<n>`` key and read it when it
+        wakes the wait (one request each)."""
+        unreachable, verified, told, fresh = None, set(), self.told, self.told is None  # read up to self.told
         beaten = time.monotonic()  # its poll beat less than SYNC_EVERY_S ago
         while True:
             if fresh:  # a word not read yet (or the store was unreachable)
@@ -300,6 +302,7 @@ class NodeJob:
                 record, verdict = word.get("attempt"), word.get("verdict")
                 if record is not None:
                     self._call(answer, self.job, word.get("verify"), int(record["attempt"]), self.world.node, verified)
+                self.told = told
                 if verdict is not None:
                     return Outcome(int(verdict["code"]), str(verdict["message"]), verdict.get("hint"),
                                    restarts=int(verdict.get("restarts", 0)))
