@@ -15,15 +15,16 @@ and ``modelled`` otherwise, with its model in ``how``:
 - verify: the supervisor's share of that node's files at the rule it applies
   (manifest and sizes: unchanged per node; whole-file digests: S/N at the
   rate measured on this snapshot);
-- the leader's decisions: a failure reaches every node in four hops (a
-  node sees the failure, the leader sees every teardown acknowledgement, the
-  nodes see the verify request, the nodes see the next attempt); each waiter
-  blocks on the key it expects, so a hop ends with its writer's key, not at a
-  poll (:mod:`ckptrun.cli.supervision.job_store`), but in each hop the one
-  store serves every node's read in series: 4·N round trips, added to
-  teardown — a lower bound. ``bench/control_plane.py`` runs the real leader
-  against N simulated nodes: 0.016 s at 8 nodes here (the model: 2 ms), 1.4 s
-  (p50) at 1,024 with all 1,024 nodes' CPU on 2 cores;
+- the leader's decisions: a failure reaches every node in three hops (every
+  node's failure alarm rings, the leader sees every teardown acknowledgement
+  with the node's verdict on its share of the snapshot, every node reads the
+  next attempt); each waiter blocks on the key it expects, so a hop ends with
+  its writer's key, not at a poll (:mod:`ckptrun.cli.supervision.job_store`),
+  but in each hop the one store serves every node's read in series: 3·N round
+  trips, added to teardown — a lower bound (a verify round the acks did not
+  settle adds two). ``bench/control_plane.py`` runs the real leader against N
+  simulated nodes: 0.015 s at 8 nodes here (the model: 2 ms), 0.69 s (p50) at
+  1,024 with all 1,024 nodes' CPU on 2 cores;
 - process-group start-up: every one of the N·G ranks makes at least two round
   trips to the one rendezvous store (its own key, the shared id), served in
   series — a lower bound: NCCL's communicator set-up on GPUs is not modelled
@@ -63,7 +64,7 @@ def parse_size(text: str) -> int:
     return int(number * (1024 if binary else 1000) ** power)
 
 
-DECISION_HOPS = 4  # failure seen by a node -> acks seen by the leader -> verify asked -> next attempt seen
+DECISION_HOPS = 3  # failure heard by every node -> acks (with verify verdicts) seen by the leader -> next attempt read
 
 
 def store_round_trip_s(ops: int = STORE_SAMPLE_OPS) -> float:

@@ -30,11 +30,11 @@ a family's index says in one request which of its keys exist. torch's extended s
 ``multi_get``: torch 2.1) is used where the store has it, else one ``check`` and ``get`` per key.
 
 The store has no TTL and no watch, but a key that is written once is an event: a waiter blocks on the keys
-it expects (``TCPStore.wait``, :meth:`JobStore.wait_for`) for at most its poll interval, so each hop of a
-restart takes one round trip, not up to a poll, and the waiter still wakes every poll for its other checks.
-Every supervisor's sleep between polls waits on its attempt's ``a<N>/failure``; the leader waits on the
-``node/<k>``, ``a<N>/down/<k>`` and verdict keys it lacks; a follower between attempts on ``news/<n>``, since
-one wait needs *all* its keys and the leader's next word may be a verify round, an attempt or a verdict. A
+it expects (``TCPStore.wait``, :meth:`JobStore.wait_for`), so each hop of a restart takes one round trip,
+not up to a poll. Every supervisor's failure alarm (:mod:`~ckptrun.cli.supervision.failure_alarm`) holds a
+wait on its attempt's ``a<N>/failure``; the leader waits on the ``node/<k>`` and ``a<N>/down/<k>`` keys it
+lacks, a follower between attempts on ``news/<n>``, since one wait needs *all* its keys and the leader's
+next word may be a verify round, an attempt or a verdict. A
 node whose heartbeat stops changing is still judged stale by the observer's own clock (no clock agreement
 needed between hosts). When the leader is gone every store call fails: :class:`StoreUnreachable`. torch is
 imported here lazily (only a multi-node launch builds a :class:`JobStore`; the import costs seconds once).
