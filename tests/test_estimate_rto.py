@@ -417,17 +417,22 @@ def test_a_sigkilled_estimator_leaves_no_relaunch_process(trained: Path, tmp_pat
 
 def test_before_any_restart_a_crash_teardown_follows_the_device_and_the_hand_over_attempt_1s_fork(with_history: Path) -> None:
     """Issue 26: before a restart measured them, a crash's teardown on CPU ranks is modelled (they leave a broken
-    gloo collective and take SIGTERM), on a GPU it is the SIGKILL bound; the standby's hand-over is its dispatch
+    gloo collective and take SIGTERM), also over a no-op relaunch's quicker idle tree; on a GPU it is the SIGKILL
+    bound, or the no-op's; the standby's hand-over is its dispatch
     plus what attempt 1's forked ranks took to their process group."""
     from ckptrun.cli.recovery_budget import rto_history as hist
     from ckptrun.cli.recovery_budget import rto_launch
 
     target = find_target(with_history)  # its events are replaced: no restart in them
     started = {"event": "started", "attempt": 1, "startup": {"process": 100.0, "bootstrap": 100.01, "process_group": 100.25}}
-    for device, expected in (("cpu", (components.CPU_CRASH_TEARDOWN_S, "estimated")), ("cuda", (1.0, "configured"))):
+    idle = measure.NoopTimes(launch_s=0.5, teardown_s=0.1, world=2, path=relaunch.RelaunchPath(standby=True, warm=True))
+    for device, expected, over_noop in (("cpu", (components.CPU_CRASH_TEARDOWN_S, "estimated"), (0.4, "estimated")),
+                                        ("cuda", (1.0, "configured"), (0.1, "measured"))):
         target.events = [{"event": "precision", "device": device, "time": 99.0}, started]
         teardown = components.teardown(target, None)
         assert (teardown.value_s, teardown.source) == expected and "bound: SIGKILL" in teardown.detail
+        teardown = components.teardown(target, idle)  # the no-op's idle ranks: on CPU the model is the floor
+        assert (teardown.value_s, teardown.source) == over_noop and "no-op 2-rank" in teardown.detail
     assert hist.forked_to_process_group(target.events) == (pytest.approx(0.25), 1)
     handover, words = rto_launch._handover(target)
     assert handover == pytest.approx(rto_launch.STANDBY_DISPATCH_S + 0.25) and "(attempt 1, 1 start(s))" in words

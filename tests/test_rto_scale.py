@@ -62,7 +62,7 @@ def test_each_part_follows_its_model(nodes: int) -> None:
     assert {name: c["mark"] for name, c in parts.items()} == {
         "detect": "measured", "teardown": "modelled", "verify": "modelled", "backoff": "configured", "restart": "modelled"}
     assert parts["detect"]["value_s"] == 0.25
-    assert parts["teardown"]["value_s"] == pytest.approx(0.3 + 4 * nodes * trip)  # each hop woken by its key
+    assert parts["teardown"]["value_s"] == pytest.approx(0.3 + 3 * nodes * trip)  # three hops, each woken by its key
     assert parts["verify"]["value_s"] == pytest.approx(0.5 * per_node / GB)
     threads = min(cpus, gpus * HASH_THREADS)
     restore = max(per_node / (2 * GB), per_node / (0.5 * GB * threads))
