@@ -92,7 +92,7 @@ class NodeJob:
             return None
         try:
             return self._call(early_share, self.job, attempt, self.world.ckpt_dir, self.world.node, self.world.active)
-        except OSError:  # the checkpoint dir is not readable here: the leader's round asks again
+        except (OSError, ValueError):  # the checkpoint dir (or its lineage) unreadable here: a round decides
             return None
 
     def ended(self, outcome: Outcome, restarts: int) -> None:

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable, pack_nodes
+from ckptrun.cli.supervision.job_store import JobStore, StoreUnreachable
+from ckptrun.cli.supervision.node_list import pack_nodes
 from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.runtime.manifest import Manifest, ManifestError, read_manifest
 from ckptrun.runtime.storage.store import Entry, list_entries, read_lineage
