@@ -13,7 +13,10 @@ Per repeat, interleaved, on the same model + AdamW state in this process
   staging future, before the weights may change again);
 * while each save persists, a small training loop (the template's model) keeps
   stepping in this process: its median step time ÷ its median step time alone
-  just before and just after, is the ``*train_slowdown_during_persist`` figure; the time
+  alone, is the ``*train_slowdown_during_persist`` figure. "Alone" is the round's: the median
+  of every variant's steps alone in that round (each trial steps alone just before and just
+  after its save), so every saver of a round is divided by the same baseline and a load that
+  drifts between rounds moves both sides of a comparison; the time
   from the call's return until the snapshot is published is ``*persist_s``;
 * ``*train_lost_during_persist_s`` — the loop's step time during the persist beyond what the
   same steps take alone: the training seconds one save costs. A slowdown is a rate over the
@@ -168,10 +171,21 @@ def _trial(variant: Variant, loop: ProbeLoop, alone_s: float) -> Callable[[], di
         # drifts during the trial (other processes on a shared machine) moves both sides alike
         alone = statistics.median(before + loop.for_seconds(alone_s / 2))
         return {f"{variant.name}.stall": stall, f"{variant.name}.persist": persist,
-                f"{variant.name}.slowdown": statistics.median(during) / alone, f"{variant.name}.alone": alone,
+                f"{variant.name}.during": statistics.median(during), f"{variant.name}.alone": alone,
                 f"{variant.name}.lost": sum(during) - len(during) * alone, f"{variant.name}.cpu": beside}
 
     return run
+
+
+def _slowdowns(samples: dict[str, list[float]], names: list[str]) -> None:
+    """``<name>.slowdown`` per round: the variant's median step while persisting ÷ the round's step alone (the
+    median of every variant's alone median in that round; ``interleave`` runs each trial once per round)."""
+    if not names:
+        return
+    rounds = zip(*(samples[f"{name}.alone"] for name in names))
+    alone = [statistics.median(values) for values in rounds]
+    for name in names:
+        samples[f"{name}.slowdown"] = [during / base for during, base in zip(samples[f"{name}.during"], alone)]
 
 
 def _idle_trial(variant: Variant) -> Callable[[], dict[str, float]]:
@@ -220,7 +234,7 @@ NOTES = {
     "dcp_async_block_process_s": "AsyncCheckpointerType.PROCESS (daemon started by a warm-up save)",
     "dcp_async_stall_bgstaging_s": "DefaultStager(use_async_staging=True): call + wait for staging_completion",
     "persist_s": "call returned -> published (sha256 while writing, fsync, manifest, rename), loop stepping alongside",
-    "train_slowdown_during_persist": "median step of a ~0.9M-param loop while persisting / alone, just before and after",
+    "train_slowdown_during_persist": "median step of a ~0.9M-param loop while persisting / the round's step alone (every saver's, before and after its save)",
 }
 
 
@@ -235,6 +249,7 @@ def measure(state: BigState, scratch: Path, repeats: int, alone_s: float = 0.3) 
     samples = interleave(repeats, trials)
     for stager in stagers:
         stager.close()
+    _slowdowns(samples, [v.name for v in variants])
     figures = {"staging_floor_s": Figure(samples["floor"], "s", MEMORY, note="copy into existing buffers")}
     for name, (stall, persist, slowdown) in KEYS.items():
         if name in errors:

@@ -1,14 +1,19 @@
 """Issue 6's and issue 13's goals as ratios of figures measured in the same run, each with PASS or MISS.
 
-A ratio is median ÷ median of the two figures (both from interleaved repeats
-of the same run); a goal with no baseline compares the median itself (or the
-best sample, for "best of N" goals). A goal whose figures failed is reported
+A ratio is the median over the run's rounds of figure ÷ baseline taken in the
+same round (``interleave`` runs every trial once per round, seconds apart),
+so a disk or a load that moves between rounds moves both sides of each
+ratio; a verdict also carries ``ratio_of_medians`` (median ÷ median), and
+where the two figures do not have a sample per round that is the ratio. A
+goal with no baseline compares the median itself (or the best sample, for
+"best of N" goals). A goal whose figures failed is reported
 as "n/a" with the reason; issue 13's table also lists the goals this run did
 not measure, saying where they are measured.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +43,22 @@ class Goal:
             return {"goal": self.text, "ratio": None, "limit": self.limit, "verdict": "n/a",
                     "detail": f"{broken[0]}: {figures[broken[0]].error}"}
         value = min(figures[self.key].samples) if self.best else figures[self.key].median
-        ratio = value / (figures[self.baseline].median if self.baseline else 1.0)
+        of_medians = value / (figures[self.baseline].median if self.baseline else 1.0)
+        ratio = of_medians if self.best or not self.baseline else paired_ratio(figures[self.key], figures[self.baseline], of_medians)
         limit = self.limit * self.small_slack if small else self.limit
         ok = ratio >= limit if self.at_least else ratio < limit if self.strict else ratio <= limit
         off = ratio / limit - 1 if limit else ratio
         detail = "" if ok else (f"{-off:.0%} short" if self.at_least else f"{off:.0%} over the limit")
-        return {"goal": self.text, "ratio": ratio, "limit": limit, "verdict": "PASS" if ok else "MISS", "detail": detail}
+        return {"goal": self.text, "ratio": ratio, "ratio_of_medians": of_medians, "limit": limit,
+                "verdict": "PASS" if ok else "MISS", "detail": detail}
+
+
+def paired_ratio(figure: Figure, baseline: Figure, fallback: float) -> float:
+    """Median of the per-round ratios when both figures have one sample per round (``fallback`` otherwise)."""
+    pairs = list(zip(figure.samples, baseline.samples))
+    if len(figure.samples) != len(baseline.samples) or not pairs or any(b <= 0 for _, b in pairs):
+        return fallback
+    return statistics.median(a / b for a, b in pairs)
 
 
 # Issue 27's goals hold at 1 GiB of state; below it (the 64 MiB of --quick) within 20% (``small_slack``).

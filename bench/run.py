@@ -114,10 +114,11 @@ def print_table(title: str, figures: dict[str, Figure], verdicts: list[dict[str,
         print(f"{key:44} {_num(fig.median, fig.unit):>10} {_num(min(fig.samples), fig.unit):>10} "
               f"{_num(max(fig.samples), fig.unit):>10}  {unit:5} {fig.world_size:>5}  {fig.cache}")
     if verdicts:
-        print(f"\n{'goal':70} {'ratio':>8} {'limit':>6}  verdict")
+        print(f"\n{'goal':70} {'ratio':>8} {'med/med':>8} {'limit':>6}  verdict   (ratio: median of per-round ratios)")
         for v in verdicts:
             ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
-            print(f"{v['goal']:70} {ratio:>8} {v['limit']:>6g}  {v['verdict']} {v['detail']}")
+            of_medians = "-" if v.get("ratio_of_medians") is None else f"{v['ratio_of_medians']:.3f}"
+            print(f"{v['goal']:70} {ratio:>8} {of_medians:>8} {v['limit']:>6g}  {v['verdict']} {v['detail']}")
 
 
 def issue_13_table(label: str, figures: dict[str, Figure]) -> list[dict[str, Any]]:
@@ -164,6 +165,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "latest.json")
     parser.add_argument("--scratch", type=Path, default=HERE / "results" / "scratch", help="where snapshots are written")
     parser.add_argument("--runtime-only", action="store_true", help="only the size-independent figures (start-up, runtime overhead)")
+    parser.add_argument("--sizes-only", action="store_true", help="only the per-size figures (snapshots: issue 27's goals)")
     args = parser.parse_args()
 
     config = dict(MODES[args.mode])
@@ -190,8 +192,8 @@ def main() -> int:
             shutil.rmtree(args.scratch / f"{mib}MiB", ignore_errors=True)
             tables.append((f"{mib} MiB", figures))
             results["sizes"][f"{mib}MiB"] = {**meta, "figures": figures}
-        global_figures = measure_global(repeats, config["template_steps"], args.scratch, all_reduce)
-        if args.mode == "full":  # ~4 min: kill -> first step under ckptrun, ft_launcher and torchrun (peer_restart.py)
+        global_figures = {} if args.sizes_only else measure_global(repeats, config["template_steps"], args.scratch, all_reduce)
+        if args.mode == "full" and not args.sizes_only:  # ~4 min: kill -> first step under ckptrun, ft_launcher and torchrun (peer_restart.py)
             import peer_restart
 
             narrate("restart side by side: ckptrun vs ft_launcher vs torchrun, 5 interleaved rounds")

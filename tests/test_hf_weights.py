@@ -199,18 +199,33 @@ def test_fsdp2_ranks_start_from_init_weights_each_holding_its_shard_of_them(tmp_
 def test_a_snapshots_dcp_dir_loads_with_torchs_own_tools(gpt2_snapshot: Path, tmp_path: Path) -> None:
     """Interoperability without ckptrun: each data file of ``dcp/`` is a safetensors file (``safe_open`` reads it
     with the model's own names), and ``dcp.load`` through torch's own ``HuggingFaceStorageReader`` reads the
-    whole directory to the same tensors the runtime's safe reader returns. (``dcp_to_torch_save`` needs the
-    pickled ``.metadata`` this format no longer writes: ``ckptrun export -o all.pt`` is that conversion.)"""
+    whole directory to the same tensors the runtime's safe reader returns. ``dcp_to_torch_save`` reads only
+    a pickled ``.metadata``, which no snapshot holds: ``export --format dcp`` writes torch's own DCP directory
+    of every tensor (model and optimizer), and ``dcp_to_torch_save`` and ``dcp.load``'s default reader take it."""
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from workers import shared_tensors
 
     want = shared_tensors(gpt2_snapshot)
     assert any(key.endswith("wte.weight") for key in want), sorted(want)[:5]
+    assert any(".exp_avg_sq" in key or "exp_avg_sq" in key for key in want), sorted(want)[-5:]  # the optimizer's too
     [data_file] = sorted((gpt2_snapshot / "dcp").glob("*.safetensors"))
     with safe_open(str(data_file), framework="pt") as opened:
         assert set(want) <= set(opened.keys()) and all(torch.equal(opened.get_tensor(k), want[k]) for k in want)
     loaded = {key: torch.empty_like(value) for key, value in want.items()}
     dcp.load(loaded, storage_reader=dcp.HuggingFaceStorageReader(str(gpt2_snapshot / "dcp")), no_dist=True)
     assert all(torch.equal(loaded[k], want[k]) for k in want)
+
+    out = tmp_path / "dcp_all"
+    result = ckptrun("export", str(gpt2_snapshot), "--format", "dcp", "-o", str(out), "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["tensors"] == len(want) and (out / ".metadata").is_file()
+    dcp_to_torch_save(out, tmp_path / "all.pt")
+    _same(torch.load(tmp_path / "all.pt", weights_only=True), want)
+    again = {key: torch.zeros_like(value) for key, value in want.items()}
+    dcp.load(again, checkpoint_id=str(out), no_dist=True)
+    _same(again, want)
+    taken = ckptrun("export", str(gpt2_snapshot), "--format", "dcp", "-o", str(out), cwd=tmp_path)
+    assert taken.returncode == 2 and "not an empty directory" in taken.stderr, taken.stderr

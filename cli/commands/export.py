@@ -12,8 +12,10 @@ unpickling of anything but DCP's own metadata) and joined with the JSON tree
 file loads into the bare model. ``.pt`` files are written with ``torch.save``
 and load with ``torch.load(weights_only=True)``; ``.safetensors`` needs the
 ``export`` extra. ``--format hf`` writes a directory in the Hugging Face layout instead
-(:mod:`ckptrun.runtime.checkpoint.hf_weights`): ``from_pretrained`` loads it. torch is imported only inside
-the command.
+(:mod:`ckptrun.runtime.checkpoint.hf_weights`): ``from_pretrained`` loads it. ``--format dcp`` writes every
+tensor of the snapshot (model, optimizer, EMA) as torch's own DCP directory, pickled ``.metadata`` and all, for
+tools that read only that (``dcp_to_torch_save``): a snapshot holds no pickle, so this is the way to them.
+torch is imported only inside the command.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ PATH_HINT = "pass a snapshot directory (step-NNNNNNNNN), a checkpoint directory 
 @command
 def export(
     snapshot: str = typer.Argument(..., metavar="SNAPSHOT", help="A snapshot directory, a checkpoint/run directory or an object-store URL (its newest verified snapshot)."),
-    output: Path = typer.Option(..., "--output", "-o", metavar="FILE|DIR", help="Where to write: FILE.pt (torch.save), FILE.safetensors, or DIR with --format hf."),
-    output_kind: Optional[str] = typer.Option(None, "--format", metavar="hf", help="hf: DIR in the Hugging Face layout (model.safetensors, or shards + model.safetensors.index.json, and config.json) that from_pretrained loads. [default: from the -o suffix]", show_default=False),
+    output: Path = typer.Option(..., "--output", "-o", metavar="FILE|DIR", help="Where to write: FILE.pt (torch.save), FILE.safetensors, or DIR with --format hf or dcp."),
+    output_kind: Optional[str] = typer.Option(None, "--format", metavar="hf|dcp", help="hf: DIR in the Hugging Face layout (model.safetensors, or shards + model.safetensors.index.json, and config.json) that from_pretrained loads. dcp: DIR as torch's own DCP checkpoint of every tensor (model, optimizer, EMA), with its pickled .metadata, for torch's dcp_to_torch_save and dcp.load's default reader. [default: from the -o suffix]", show_default=False),
     max_shard_size: str = typer.Option(hf_weights.DEFAULT_MAX_SHARD, "--max-shard-size", help="--format hf: shards no larger than this (e.g. 500MB), with an index naming each tensor's file."),
     config: Optional[Path] = typer.Option(None, "--config", help="--format hf: the config.json to write (a file, or a directory holding one). [default: the model's own, kept in the snapshot]", show_default=False),
     ema: bool = typer.Option(False, "--ema", help="Export the EMA weights (the tracked `ema` AveragedModel) instead of the model's."),
@@ -62,15 +64,20 @@ def export(
       ckptrun export runs/demo -o model.pt
       ckptrun export runs/demo/checkpoints/step-000000020 --ema -o ema.safetensors
       ckptrun export runs/demo --format hf -o hf_model
+      ckptrun export runs/demo --format dcp -o dcp_all
     Load with: model.load_state_dict(torch.load("model.pt", weights_only=True)),
-    or AutoModelForCausalLM.from_pretrained("hf_model") (any model class of the run's).
+    or AutoModelForCausalLM.from_pretrained("hf_model") (any model class of the run's),
+    or torch.distributed.checkpoint.format_utils.dcp_to_torch_save("dcp_all", "all.pt").
     """
-    kind = hf_format(output, output_kind, config) if output_kind is not None else output_format(output)
+    kind = dir_format(output, output_kind, config, ema) if output_kind is not None else output_format(output)
     report = verified_snapshot(snapshot, storage_option)
-    name = "ema" if ema else "model"
-    state = read_weights(report.path, name)
+    name = "all" if kind == "dcp" else "ema" if ema else "model"
+    state = read_every_tensor(report.path) if kind == "dcp" else read_weights(report.path, name)
     metadata = {"snapshot": str(report.path), "step": str(report.step), "object": name}
-    if kind == "hf":
+    if kind == "dcp":
+        files = write_dcp(state, output)
+        size = sum(file.stat().st_size for file in files)
+    elif kind == "hf":
         files = write_hf(state, output, max_shard_size, metadata, config, report.path)
         size = sum(file.stat().st_size for file in files)
     else:
@@ -103,10 +110,20 @@ def output_format(output: Path) -> str:
     return kind  # a missing directory is created once the weights are read (as report -o and init do)
 
 
-def hf_format(output: Path, given: str, config: Path | None) -> str:
-    """``--format hf``: DIR is a directory (or not there yet), the packages are here, ``--config`` exists."""
+def dir_format(output: Path, given: str, config: Path | None, ema: bool) -> str:
+    """``--format hf`` or ``dcp``: DIR is a directory (or not there yet); hf: the packages are here, ``--config``
+    exists; dcp: DIR is empty (a DCP directory is written whole or not at all), and ``--ema`` is not asked."""
+    if given == "dcp":
+        if ema:
+            raise CkptrunError("--ema with --format dcp: dcp writes every tensor of the snapshot, the EMA's included",
+                               "drop --ema (or write the EMA alone: --ema -o ema.safetensors)")
+        if output.exists() and (not output.is_dir() or any(output.iterdir())):
+            raise CkptrunError(f"-o {output}: not an empty directory; --format dcp writes a whole DCP directory",
+                               "pass a new or empty directory")
+        return "dcp"
     if given != "hf":
-        raise CkptrunError(f"--format {given}: unknown format", "pass --format hf, or name -o FILE.pt / FILE.safetensors")
+        raise CkptrunError(f"--format {given}: unknown format",
+                           "pass --format hf or dcp, or name -o FILE.pt / FILE.safetensors")
     try:
         import huggingface_hub  # noqa: F401
         import safetensors.torch  # noqa: F401
@@ -182,10 +199,55 @@ def checkpoint_dir(path: Path) -> Path:
 # --- reading and writing the weights ----------------------------------------------------------
 
 
+def read_every_tensor(snapshot_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor the snapshot's ``dcp/`` holds, under its stored key, read with the safe DCP reader."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ckptrun.runtime.checkpoint.dcp_io import load_metadata
+    from ckptrun.runtime.checkpoint.snapshot import DCP_DIR
+
+    metadata = load_metadata(snapshot_dir / DCP_DIR)
+    stored = metadata.state_dict_metadata.items()
+    return _load(snapshot_dir, metadata, sorted(key for key, item in stored if isinstance(item, TensorStorageMetadata)))
+
+
+def _load(snapshot_dir: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Tensor]:
+    """``keys`` read in this one process, every byte checked against its digest as it is read."""
+    import torch.distributed.checkpoint as dcp
+    from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata
+    from ckptrun.runtime.checkpoint.snapshot import DCP_DIR
+
+    tensors = allocate_from_metadata(metadata, keys)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=SafeReader(snapshot_dir / DCP_DIR), no_dist=True)
+    return tensors
+
+
+def write_dcp(state: dict[str, torch.Tensor], output: Path) -> list[Path]:
+    """torch's own DCP layout (``FileSystemWriter``: a pickled ``.metadata``), written beside ``output`` and
+    renamed into place, so a DCP directory is there whole or not at all."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+        if output.exists():
+            output.rmdir()  # empty: checked before anything was read
+        os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(path for path in output.rglob("*") if path.is_file())
+
+
 def read_weights(snapshot_dir: Path, name: str) -> dict[str, torch.Tensor]:
     """The tracked object ``name``'s tensors, read with the safe DCP reader in this one process."""
-    import torch.distributed.checkpoint as dcp
-    from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata, load_metadata
+    from ckptrun.runtime.checkpoint.dcp_io import load_metadata
     from ckptrun.runtime.checkpoint.snapshot import DCP_DIR, STATE_JSON
     from ckptrun.runtime.checkpoint.treecodec import join, tensor_keys
 
@@ -198,10 +260,7 @@ def read_weights(snapshot_dir: Path, name: str) -> dict[str, torch.Tensor]:
     tree = objects[name]
     metadata = load_metadata(snapshot_dir / DCP_DIR)
     keys = tensor_keys(tree)  # a tied weight is stored once, under the key its alias names
-    tensors = allocate_from_metadata(metadata, sorted({aliases.get(key, key) for key in keys}))
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=SafeReader(snapshot_dir / DCP_DIR), no_dist=True)
+    tensors = _load(snapshot_dir, metadata, sorted({aliases.get(key, key) for key in keys}))
     tensors.update({key: tensors[aliases[key]] for key in keys if key in aliases})
     return plain_state_dict(join(tree, tensors), averaged=name == "ema")
 
