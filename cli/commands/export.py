@@ -83,7 +83,8 @@ def export(
     else:
         output.parent.mkdir(parents=True, exist_ok=True)
         size, files = write_state_dict(state, output, kind, metadata), [output]
-    print(f"ckptrun: exported {len(state)} tensors ({human_bytes(size)}) of {name} from {report.path.name} "
+    what = "every tracked object" if kind == "dcp" else name
+    print(f"ckptrun: exported {len(state)} tensors ({human_bytes(size)}) of {what} from {report.path.name} "
           f"(step {report.step}, verified) to {output}", file=sys.stderr)
     if as_json:
         document = {"snapshot": str(report.path), "step": report.step, "object": name, "format": kind,
