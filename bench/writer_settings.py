@@ -4,8 +4,8 @@
 
 Each ``NICE:DUTY`` is one ckptrun async saver (``Saver(nice=, duty=)``, see
 ``runtime/checkpoint/saver.py`` and ``runtime/checkpoint/pacing.py``); ``--dcp`` adds DCP modes from
-``async_saves.py``. Every repeat runs each of them once on the same 64 MiB
-model + AdamW state with the same probe loop, in rotated order, plus a sync
+``async_saves.py``. Every repeat runs each of them once on the same (64 MiB by default)
+model + AdamW state (``--mib``) with the same probe loop, in rotated order, plus a sync
 save (``save_total_s``, the bound of issue 6: ``persist_s <= 2 x save_total_s``).
 Per saver it prints the median training slowdown during the persist, the
 training seconds the persist cost (``lost``: comparable across persists of
@@ -52,13 +52,14 @@ def main() -> int:
     parser.add_argument("--dcp", default="", help="comma-separated DCP modes of async_saves.py to run alongside")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--alone-s", type=float, default=0.3)
+    parser.add_argument("--mib", type=int, default=64, help="MiB of model + AdamW state (default 64)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import async_saves
     from ckptrun.runtime.checkpoint.saver import Saver
 
     init_world()
-    state = build_state(64 * MiB)
+    state = build_state(args.mib * MiB)
     scratch = Path(tempfile.mkdtemp(prefix="writer-settings-"))
     try:
         loop = ProbeLoop()
@@ -77,6 +78,7 @@ def main() -> int:
 
         load = load_average()
         samples = interleave(args.repeats, {**{v.name: async_saves._trial(v, loop, args.alone_s) for v in variants}, "sync": sync_trial})
+        async_saves._slowdowns(samples, [v.name for v in variants])  # each over the round's step alone
         print(f"{args.repeats} interleaved repeats, load {load} -> {load_average()}; errors: {errors or 'none'}")
         print(f"save_total_s (sync) {statistics.median(samples['save_total']):.3f}")
         print(f"{'saver':22} {'slowdown':>9} {'lost_s':>8} {'persist_s':>10}")
