@@ -50,7 +50,8 @@ class Commands(LazyGroup):
         "init": LazyCommand("ckptrun.cli.commands.init", "init", "Copy a training script template and a commented "
                             "ckptrun.toml into DIR, then print the next commands."),
         "export": LazyCommand("ckptrun.cli.commands.export", "export", "Write the model (or EMA) weights of a verified "
-                              "snapshot as a plain state_dict file (.pt or .safetensors)."),
+                              "snapshot as a plain state_dict file (.pt or .safetensors), or a Hugging Face or DCP "
+                              "directory (--format)."),
         "report": LazyCommand("ckptrun.cli.commands.report", "report", "Draw the run (loss with failures, restarts and "
                               "replays; throughput; RTO per restart) as PNG + HTML."),
     }

@@ -57,7 +57,7 @@ def export(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (snapshot, step, tensors, bytes, file) on stdout."),
     storage_option: Optional[list[str]] = storage_option_flag(),
 ) -> int:
-    """Write the model (or EMA) weights of a verified snapshot as a plain state_dict file (.pt or .safetensors).
+    """Write the model (or EMA) weights of a verified snapshot as a plain state_dict file (.pt or .safetensors), or a Hugging Face or DCP directory (--format).
 
     \b
     Examples:
