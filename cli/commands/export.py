@@ -202,14 +202,11 @@ def checkpoint_dir(path: Path) -> Path:
 
 def read_every_tensor(snapshot_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor the snapshot's ``dcp/`` holds, under its stored key, read with the safe DCP reader."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from ckptrun.runtime.checkpoint.dcp_io import load_metadata
+    from ckptrun.runtime.checkpoint.dcp_io import load_metadata, tensor_table
     from ckptrun.runtime.checkpoint.snapshot import DCP_DIR
 
     metadata = load_metadata(snapshot_dir / DCP_DIR)
-    stored = metadata.state_dict_metadata.items()
-    return _load(snapshot_dir, metadata, sorted(key for key, item in stored if isinstance(item, TensorStorageMetadata)))
+    return _load(snapshot_dir, metadata, sorted(tensor_table(metadata)))
 
 
 def _load(snapshot_dir: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Tensor]:
