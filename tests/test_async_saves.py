@@ -131,8 +131,8 @@ from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.saver import Saver
 from ckptrun.runtime.checkpoint.treecodec import split
 
-ckpt, port, kill = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "kill"
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+ckpt, rendezvous, kill = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "kill"
+dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)  # no port to race for
 pacing.CHUNK = 64 << 10  # many pauses in a few MiB
 torch.manual_seed(0)
 tensors = {f"w{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
@@ -166,12 +166,9 @@ print(json.dumps({"ok": results[0].ok, "error": results[0].error, "paused_s": sa
 
 
 def _paced_save(tmp_path, mode: str) -> subprocess.CompletedProcess:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return subprocess.run([sys.executable, "-c", PACED_SAVE, str(tmp_path / "ckpt"), str(port), mode],
+    """One process, world size 1, its group's store a file: a free port picked here could be taken by another
+    test's process before this one binds it (EADDRINUSE, seen once in a full run)."""
+    return subprocess.run([sys.executable, "-c", PACED_SAVE, str(tmp_path / "ckpt"), str(tmp_path / "rendezvous"), mode],
                           capture_output=True, text=True, timeout=100)
 
 
