@@ -9,6 +9,7 @@ state its reads came from and the world size that wrote or ran it.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import statistics
 import time
@@ -121,10 +122,22 @@ def write_fsync(path: Path, write: Callable[[Any], Any]) -> None:
 # --- processes ---------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(span: int = 2) -> int:
+    """A port on 127.0.0.1 free now with the ``span - 1`` after it (a job's store takes rendezvous port + 1),
+    below the kernel's ephemeral range (from 32768): a port found by binding 0 and closing it may be given to
+    any outgoing connection before the figure's process binds it again."""
+    while True:
+        port = random.randrange(20000, 32000 - span)
+        probes = [socket.socket() for _ in range(span)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
 
 
 def init_world(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:

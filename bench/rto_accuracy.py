@@ -43,8 +43,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +50,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from common import free_port
 
 PARTS = ("detect", "teardown", "verify", "backoff", "restart")
 MEASURED_KEYS = {"detect": "detect_s", "teardown": "teardown_s", "verify": "verify_s", "backoff": "backoff_s",
@@ -145,16 +145,6 @@ def one_repeat(root: Path, scenario: Scenario, index: int, nproc: int, steps: in
             "measured": {part: float(restart.get(key) or 0.0) for part, key in MEASURED_KEYS.items()},
             "restore_sources": sources, "cause": restart.get("cause"),
             "in_launch_ratio": in_launch[-1]["rto_s"] / restart["rto_s"] if in_launch and scenario.name != "hang" else None}
-
-
-def free_port() -> int:
-    """A free port whose next one is free too (the job's store takes rendezvous port + 1)."""
-    while True:
-        port = random.randrange(20000, 32000)
-        with contextlib.suppress(OSError), socket.socket() as one, socket.socket() as two:
-            one.bind(("127.0.0.1", port))
-            two.bind(("127.0.0.1", port + 1))
-            return port
 
 
 def start_nodes(run_dir: Path, steps: int, fault: str | None, memory: bool = False) -> dict[str, subprocess.Popen]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,12 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 import psutil
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from ports import free_port
 
 
 @dataclass
@@ -77,24 +71,26 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def start_server(log: Path, timeout: float = 60.0) -> S3Server:
-    """Start ``moto_server`` bound to 127.0.0.1 and wait until it answers."""
-    port = free_port()
+def start_server(log: Path, timeout: float = 60.0, tries: int = 3) -> S3Server:
+    """Start ``moto_server`` bound to 127.0.0.1 and wait until it answers (on another port if one was taken
+    between the probe and the server's bind)."""
     exe = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or "moto_server"
-    stream = open(log, "wb")
-    process = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=stream, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"moto_server exited with {process.returncode}; see {log}")
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-            return S3Server(process, endpoint)
-        except OSError:
-            time.sleep(0.1)
-    kill_tree(process.pid)
-    raise RuntimeError(f"moto_server did not answer on {endpoint} within {timeout:g}s; see {log}")
+    for _ in range(tries):
+        port = free_port(span=1)
+        with open(log, "ab") as stream:
+            process = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=stream, stderr=subprocess.STDOUT)
+        endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                return S3Server(process, endpoint)
+            except OSError:
+                time.sleep(0.1)
+        if process.poll() is None:
+            kill_tree(process.pid)
+            raise RuntimeError(f"moto_server did not answer on {endpoint} within {timeout:g}s; see {log}")
+    raise RuntimeError(f"moto_server exited with {process.returncode} {tries} times; see {log}")
 
 
 @contextmanager

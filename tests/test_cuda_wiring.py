@@ -9,7 +9,6 @@ real one-rank gloo group, so every collective after it runs for real.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from ports import free_port
 
 from ckptrun.runtime import collectives
 from ckptrun.runtime.step import stepper
 from ckptrun.runtime.step.precision import Policy, resolve
 
 RECORDED = ("init_process_group", "new_group", "all_reduce", "broadcast", "all_gather", "barrier")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -54,7 +48,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, dict]]:
         monkeypatch.setattr(c10d, name, wrapper)
         monkeypatch.setattr(dist, name, wrapper)
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port())}.items():
+                       "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
     yield log
     if dist.is_initialized():

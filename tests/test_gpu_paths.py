@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.records import final_losses, read_events
 from launch_helpers import COMMON, FIXTURES, Cleanup, ckptrun, wait_for
 from workers import QUIET, run_id_for, run_job, shared_tensors
+from ports import free_port
 
 NVML = "PYTORCH_NVML_BASED_CUDA_CHECK"
 BN_JOB = FIXTURES / "bn_ddp_job.py"
@@ -166,11 +166,8 @@ def test_gpu_check_says_what_ran_one_rank_is_never_called_ddp() -> None:
 
 @pytest.fixture
 def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setattr(collectives, "_cpu_group", None)
     yield
     if dist.is_initialized():

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 from pathlib import Path
 from typing import Callable
 
 import psutil
 import pytest
+from ports import free_port
 from launch_helpers import CKPTRUN, Cleanup, assert_losses_equal, ckptrun, events, kill_tree, run_id, tail, wait_for
 
 from ckptrun.runtime.records import final_losses, read_jsonl
@@ -31,21 +30,6 @@ NO_RESTART = ["--no-standby"]  # a run that never restarts has no use for the ne
 # hook of the attempts named, never touches the losses) keeps the 15 steps that remain seconds long on any machine.
 SLOW_ATTEMPT_1 = "slow-save:ms=300"
 SLOW_ATTEMPTS_1_2 = f"{SLOW_ATTEMPT_1};slow-save:ms=300:attempt=2"
-
-
-def free_port() -> int:
-    """A free port whose next one is free too (the job's store takes rendezvous port + 1), below the kernel's
-    ephemeral range: node 0's torchrun binds the rendezvous port only at each attempt, and an outgoing
-    connection of any other process could take an ephemeral port meanwhile (as 29500 is, on a cluster)."""
-    while True:
-        port = random.randrange(20000, 32000)
-        try:
-            with socket.socket() as probe, socket.socket() as other:
-                probe.bind(("127.0.0.1", port))
-                other.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
 
 
 class Pair:

@@ -19,12 +19,13 @@ import torch
 from ckptrun.runtime.storage import ckpt_url
 from ckptrun.runtime.checkpoint.policies import Retention
 from ckptrun.runtime.records import final_losses, read_events, same_float
-from ckptrun.runtime.storage.remote_store import FsspecStore, chain, open_store
+from ckptrun.runtime.storage.remote_store import chain, open_store
 from ckptrun.runtime.checkpoint.retention import apply_remote_retention
 from ckptrun.runtime.checkpoint.tiering import LOCAL, REMOTE, choose
 from ckptrun.runtime.checkpoint.verify import verify_remote_dir
 from ckptrun.cli import store_location
-from s3_server import S3Server, free_port, serving
+from ports import free_port
+from s3_server import S3Server, serving
 from snapshot_factory import flip_byte
 from workers import run_id_for, run_job, shared_tensors
 

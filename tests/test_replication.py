@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from snapshot_factory import make_chunked_snapshot
-from test_many_nodes import free_port
+from ports import free_port
 
 from ckptrun.cli.supervision.node_world import newest_in_memory
 from ckptrun.runtime.checkpoint.replication import PIECE, Ring

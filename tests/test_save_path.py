@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 from ckptrun.runtime.checkpoint import snapshot, zip_crc
 from ckptrun.runtime.storage import store
@@ -154,12 +154,6 @@ if world == 1:                                     # a sync save through a real 
 print(json.dumps({"rank": rank, "seen": seen, "saved": saved}))
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(world: int, tmp_path: Path) -> list[dict]:

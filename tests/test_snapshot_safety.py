@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ckptrun.runtime.checkpoint import dcp_io, raw_dcp, snapshot
+from ckptrun.runtime.checkpoint import raw_dcp, snapshot
 from ckptrun.runtime import hashing, records
 from ckptrun.runtime.storage import store
 from ckptrun.runtime.checkpoint.dcp_io import UnsafeMetadataError, load_metadata

@@ -9,7 +9,6 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from socket import socket
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from ckptrun.runtime.step.session import Run
 from ckptrun.runtime.storage import store
 from launch_helpers import kill_tree
 from workers import run_job, shared_tensors
+from ports import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 STATE_JOB = FIXTURES / "state_job.py"
@@ -241,9 +241,7 @@ def test_replica_check_every_n_steps_catches_a_nudged_replica_between_saves(tmp_
     """Rank 1's replica nudged by one ulp at step 3, a save only at the end (step 9): with
     ``--replica-check-every-steps 2`` the ranks compare at step 4 and restart (exit 1), naming rank 1 and the
     tensor; by default only the final save finds it (and publishes nothing)."""
-    with socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [sys.executable, str(FIXTURES / "replica_check_ranks.py")]
     ranks = [subprocess.Popen([*command, str(rank), str(port), str(tmp_path), str(every), "3", "9"],
                               start_new_session=True, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]

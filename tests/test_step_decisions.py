@@ -15,7 +15,6 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from socket import socket
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from ckptrun.runtime.step.precision import Policy, resolve
 from ckptrun.runtime.records import read_events, read_heartbeats, read_metrics
 from ckptrun.runtime.step.session import Run
 from launch_helpers import FIXTURES, kill_tree
+from ports import free_port
 
 STEPS = 6
 
@@ -34,9 +34,7 @@ STEPS = 6
 @pytest.mark.timeout(120)
 def test_two_ranks_share_every_n_steps_with_the_sync_mean_and_stop_at_the_same_step(tmp_path):
     every, stop_at, steps = 3, 4, 12
-    with socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [sys.executable, str(FIXTURES / "exchange_ranks.py")]
     ranks = [subprocess.Popen([*command, str(rank), str(port), str(tmp_path), str(every), str(stop_at), str(steps)],
                               start_new_session=True) for rank in (0, 1)]

@@ -17,7 +17,7 @@ import io
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Generator
+from typing import Callable, Generator
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _StoragePrefix
