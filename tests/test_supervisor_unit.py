@@ -9,7 +9,7 @@ import pytest
 from supervisor_helpers import (STACK_IN_SCRIPT, STACK_IN_TORCH, T0, TIMEOUTS, ScriptedWorld, beat, supervisor,
                                 training)
 
-from ckptrun.cli.supervision.failures import RankFailure, root_cause
+from ckptrun.cli.supervision.failures import RankFailure, describe_failure, root_cause
 from ckptrun.cli.supervision.observation import Observation, RankView, Snapshot, StopControl
 from ckptrun.cli.supervision.policy import GiveUp, Restart, RestartFacts, RestartPolicy, pick_suspect, stale_ranks, waiting_on_peers
 from ckptrun.cli.supervision.recovery import STARTUP_PARTS, relaunch_parts
@@ -69,6 +69,21 @@ def test_hang_dumps_stacks_names_suspect_then_restarts() -> None:
     assert failure["waiting_on_peers"] == {"0": False, "1": True}
     assert world.failed_teardowns == 1
 
+
+
+def test_a_hang_blames_the_rank_outside_torch_even_when_a_waiting_peer_times_out_first() -> None:
+    """Rank 0 hangs in its own code right after rank 1's last beat; rank 1, blocked in the next all-reduce,
+    crosses the timeout first: rank 0 is still the suspect, and the line says why."""
+    stalled = Observation(time=T0 + 15.1, ranks={0: RankView(True, beat(0, 12, T0 + 10.2)), 1: RankView(True, beat(1, 12, T0 + 10.0))},
+                          first_step_time=T0 + 3, last_step=12, last_step_time=T0 + 10)
+    world = ScriptedWorld({1: [training(T0 + 9, 11), stalled], 2: [training(T0 + 30, 30, agent_exit=0)]},
+                          events_by_attempt={1: {"snapshot_saved": [{"step": 10}]}},
+                          snapshots=[Snapshot(Path("/ckpt/step-000000010"), 10)])
+    assert supervisor(world).supervise().code == 0 and world.dumped == [[0, 1]]
+    [failure] = world.events("failure")
+    assert (failure["stale_ranks"], failure["suspect"], failure["waiting_on_peers"]) == ([1], 0, {"0": False, "1": True})
+    assert describe_failure(failure) == ("ranks [1] stopped making progress (suspect: rank 0, not waiting on its peers; "
+                                         "phase train, step 12)")
 
 def test_save_phase_gets_its_own_allowance() -> None:
     saving = Observation(time=T0 + 60, ranks={0: RankView(True, beat(0, 10, T0 + 5, "save"))})

@@ -140,7 +140,11 @@ def describe_failure(failure: dict[str, Any]) -> str:
     if failure.get("root_cause"):
         return describe_root(failure["root_cause"]) + (f"; here: {failure['collateral']}" if failure.get("collateral") else "")
     if failure.get("cause") == "hang":
-        return (f"ranks {failure.get('stale_ranks')} stopped making progress (suspect: rank {failure.get('suspect')}, "
+        suspect = failure.get("suspect")
+        # every rank goes silent within milliseconds of a hang: the first past the timeout is often a peer that
+        # waits for the suspect, so say why the suspect is blamed
+        why = ", not waiting on its peers" if (failure.get("waiting_on_peers") or {}).get(str(suspect)) is False else ""
+        return (f"ranks {failure.get('stale_ranks')} stopped making progress (suspect: rank {suspect}{why}; "
                 f"phase {failure.get('phase')}, step {failure.get('step')})")
     facts = RankFailure(rank=failure.get("rank"), exit_code=failure.get("exit_code"), signal=failure.get("signal"),
                         exception=failure.get("exception"))
