@@ -60,6 +60,23 @@ def probe_writable(remote: FsspecStore) -> None:
                            "(environment, ~/.aws, --storage-option)", EXIT_REFUSED) from None
 
 
+def cannot_list(remote: FsspecStore, exc: BaseException) -> CkptrunError:
+    """The one line for a store that could not be listed. A storage option the filesystem does not take
+    (s3fs passes unknown ones down to its session as keywords) is named, with the fix, rather than the
+    TypeError it raises."""
+    import re
+
+    from ckptrun.runtime.storage.transfer import describe
+
+    unknown = re.search(r"unexpected keyword argument '([^']+)'", str(exc)) if isinstance(exc, TypeError) else None
+    if unknown:
+        return CkptrunError(f"{remote.where}: --storage-option {unknown.group(1)} is not an option of the "
+                            f"{remote.url.protocol} filesystem", "drop it, or nest it where the filesystem takes it "
+                            "(e.g. config_kwargs.retries.max_attempts=2 for s3)")
+    return CkptrunError(f"cannot list {remote.where}: {describe(exc)}",
+                        "check the URL, the endpoint and the credentials (environment, ~/.aws, --storage-option)")
+
+
 def probe_local_dir(path: Path, what: str) -> None:
     """``path`` is a directory this process can write in, or can be made one: a real write and delete in it
     (or in its nearest existing parent, so a refusal creates nothing). Exit 2 before anything starts (a
@@ -214,7 +231,6 @@ def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], No
     """The restore a restart would do (:func:`ckptrun.runtime.checkpoint.tiering.choose`) into ``cache`` (None: a
     temporary directory); exit 1 when no snapshot of the line verifies, 2 when the store cannot be listed."""
     from ckptrun.runtime.checkpoint.tiering import choose
-    from ckptrun.runtime.storage.transfer import describe
 
     target = cache if cache is not None else Path(tempfile.mkdtemp(prefix="ckptrun-fetch-"))
     if cache is None:
@@ -222,8 +238,7 @@ def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], No
     try:
         choice = choose(store, target, log)
     except Exception as exc:  # noqa: BLE001 - unreachable, credentials: one line, not a traceback
-        raise CkptrunError(f"cannot list {store.where}: {describe(exc)}",
-                           "check the URL, the endpoint and the credentials (environment, ~/.aws, --storage-option)") from None
+        raise cannot_list(store, exc) from None
     if choice is None:
         raise CkptrunError(f"no snapshot in {store.where} verifies", f"`ckptrun verify {store.where}` says what is wrong", EXIT_NO)
     return choice

@@ -199,6 +199,22 @@ def test_a_store_that_cannot_be_written_is_refused_at_launch(s3, tmp_path):
     assert not probe.fs.find(writable.removeprefix("s3://")), "the probe leaves nothing behind"
 
 
+
+@pytest.mark.timeout(60)
+def test_a_storage_option_the_filesystem_does_not_take_is_named_in_one_line(s3, tmp_path):
+    """s3fs hands unknown options down to its session as keywords: the TypeError it raises became
+    "cannot list …: TypeError: AioSession.__init__() got an unexpected keyword argument" (and a save
+    retried it four times). Each command that opens the store names the option instead."""
+    url = f"s3://{s3.new_bucket()}/ckpt"
+    for command in (("launch", "--ckpt-dir", url, "--storage-option", "retries=1", "--", "--steps", "2"),
+                    ("verify", url, "--storage-option", "retries=1")):
+        refused = cli(*command, cwd=tmp_path)
+        assert refused.returncode == 2, (command, refused.stderr)
+        assert refused.stderr.splitlines() == [
+            f"error: {url}: --storage-option retries is not an option of the s3 filesystem",
+            "hint: drop it, or nest it where the filesystem takes it (e.g. config_kwargs.retries.max_attempts=2 for s3)"]
+    assert not list(tmp_path.glob("runs/*/run.json"))
+
 # --- retention --------------------------------------------------------------------------
 
 
@@ -283,7 +299,7 @@ def test_a_local_copy_damaged_at_load_is_fetched_again_from_s3_and_the_resume_is
 
 @pytest.mark.timeout(180)
 def test_an_unreachable_store_fails_the_save_and_training_goes_on(tmp_path, s3):
-    dead = json.dumps({"endpoint_url": f"http://127.0.0.1:{free_port()}", "retries": 1, "config_kwargs": {"retries": {"max_attempts": 1}}})
+    dead = json.dumps({"endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": {"retries": {"max_attempts": 1}}})
     run_dir = tmp_path / "run"
     result = job(run_dir, f"s3://{s3.new_bucket()}/ckpt", steps=6, storage_options=dead, max_failed_saves=10,
                  supervised=True)  # supervised: the supervisor (not this worker) lists the store before a restore

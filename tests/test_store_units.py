@@ -73,6 +73,26 @@ def upload(tmp: Path, remote: FsspecStore, steps: list[int], make=make_snapshot)
 # --- finding 14: memory:// lists what it holds ------------------------------------------------------
 
 
+def test_a_retry_repeats_a_storage_error_but_not_a_type_error():
+    """A connection error may pass; a TypeError (an option the filesystem does not take) never does."""
+    calls: list[str] = []
+
+    def flaky() -> str:
+        calls.append("try")
+        if len(calls) < 3:
+            raise ConnectionError("refused")
+        return "done"
+
+    assert Retry(attempts=4, base=0.0).run(flaky, "listing") == "done" and len(calls) == 3
+
+    def misconfigured() -> None:
+        calls.append("bad")
+        raise TypeError("AioSession.__init__() got an unexpected keyword argument 'retries'")
+
+    with pytest.raises(TypeError):
+        Retry(attempts=4, base=0.0).run(misconfigured, "listing")
+    assert calls.count("bad") == 1
+
 def test_a_memory_store_lists_its_snapshots_and_line(tmp_path):
     remote = memory_store(FsspecStore)
     upload(tmp_path, remote, [5, 10])

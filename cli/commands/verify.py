@@ -28,10 +28,9 @@ import typer
 from ckptrun.cli.errors import EXIT_NO, EXIT_OK, CkptrunError, command
 from ckptrun.cli.humanize import human_age, human_bytes
 from ckptrun.cli.commands.store_flag import storage_option_flag
-from ckptrun.cli.store_location import location, store_at
+from ckptrun.cli.store_location import cannot_list, location, store_at
 from ckptrun.cli.supervision.memory_tier import sweep_stale
 from ckptrun.runtime.storage.remote_store import FsspecStore
-from ckptrun.runtime.storage.transfer import describe
 from ckptrun.runtime.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from ckptrun.runtime.storage.store import (
     ABANDONED_DIR,
@@ -105,8 +104,7 @@ def _verify_store(remote: FsspecStore, as_json: bool, quick: bool, threads: int 
     try:
         reports = verify_remote_dir(remote, quick, None, threads)
     except Exception as exc:  # noqa: BLE001 - unreachable, no credentials, no bucket: one line
-        raise CkptrunError(f"cannot list {remote.where}: {describe(exc)}", "check the URL, the endpoint and the "
-                           "credentials (--storage-option endpoint_url=…; environment: AWS_*; ~/.aws)") from None
+        raise cannot_list(remote, exc) from None
     if not reports:
         raise CkptrunError(f"{remote.where} holds no snapshot (no step-<N>-<id>/ prefixes)",
                            "check the URL (the prefix launch --ckpt-dir was given)")

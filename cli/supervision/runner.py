@@ -40,7 +40,6 @@ from ckptrun.runtime import records
 from ckptrun.runtime.env import NOT_IMPLEMENTED
 from ckptrun.runtime.manifest import ManifestError, read_manifest
 from ckptrun.runtime.storage.store import fork, list_entries, snapshot_name
-from ckptrun.runtime.storage.transfer import describe
 from ckptrun.runtime.checkpoint.verify import newest_verified, verify_snapshot
 
 
@@ -104,8 +103,7 @@ def _refuse_used_store(spec: LaunchSpec) -> None:
     try:
         held = remote.published()
     except Exception as exc:  # noqa: BLE001 - unreachable, no credentials, no bucket: refused before anything runs
-        raise CkptrunError(f"cannot list {remote.where}: {describe(exc)}",
-                           "check the URL, the endpoint and the credentials (environment, ~/.aws, --storage-option)") from None
+        raise store_location.cannot_list(remote, exc) from None
     if held:
         raise CkptrunError(f"{remote.where} already holds snapshots",
                            "continue that run with `ckptrun resume --latest --run-dir RUN_DIR`, or pass an empty prefix")

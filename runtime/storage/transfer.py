@@ -42,11 +42,12 @@ class Retry:
     cap: float = 8.0
 
     def run(self, action: Callable[[], T], what: str, log: Callable[[str], None] = lambda _: None) -> T:
-        """Run ``action``; retry storage errors, never a :class:`MismatchError`; the last error propagates."""
+        """Run ``action``; retry storage errors, never a :class:`MismatchError` or a ``TypeError`` (a storage
+        option the filesystem does not take fails the same way every time); the last error propagates."""
         for attempt in range(1, self.attempts + 1):
             try:
                 return action()
-            except MismatchError:
+            except (MismatchError, TypeError):
                 raise
             except Exception as exc:  # noqa: BLE001 - storage libraries raise anything; the last one propagates
                 if attempt == self.attempts:
