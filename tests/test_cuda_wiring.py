@@ -67,9 +67,10 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def test_cuda_worker_joins_one_group_with_two_backends_bound_to_local_rank(calls: list) -> None:
     device = collectives.worker_device(cuda=True)
-    bound: list[torch.device] = []
-    collectives.start(device, set_device=bound.append)
-    assert device == torch.device("cuda", 3) and bound == [device]  # LOCAL_RANK's GPU, current before the group
+    collectives.start(device, set_device=lambda d: calls.append(("set_device", (d,), {})))
+    assert device == torch.device("cuda", 3)  # LOCAL_RANK's GPU, made current before the group (NCCL, FSDP2 use it)
+    assert [name for name, _, _ in calls][:2] == ["set_device", "init_process_group"], calls
+    assert calls[0][1] == (device,)
     [(_, args, kwargs)] = [c for c in calls if c[0] == "init_process_group"]
     assert (args, kwargs) == (("cpu:gloo,cuda:nccl",), {"device_id": torch.device("cuda", 3)})
 

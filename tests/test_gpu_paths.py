@@ -105,14 +105,15 @@ def test_bad_fork_falls_back_to_spawn_and_batchnorm_ddp_resumes_bitwise(tmp_path
                       str(BN_JOB), "--own-group", "after", cwd=tmp_path, timeout=300)
     assert faulted.returncode == 0, faulted.stderr[-3000:]
     [off] = read_events(run, fork_fallback.EVENT)
-    assert (off["attempt"], off["ranks"]) == (1, [0, 1])
+    # every forked rank is poisoned and exits at once; the first exit may end its peer before that one reports
+    assert off["attempt"] == 1 and off["ranks"] and set(off["ranks"]) <= {0, 1}, off
     told = [line for line in faulted.stderr.splitlines() if "could not use CUDA" in line]
     assert len(told) == 1 and told[0].startswith("ckptrun: warning: attempt 1:"), faulted.stderr[-2000:]
     assert [e["attempt"] for e in read_events(run, "attempt_start")] == [1, 2]
     assert [e["step"] for e in read_events(run, "restored")] == [5]
     logs = run / "logs"
     assert sorted(p.name for p in logs.glob("attempt-1*/warm-ranks/bad-fork-rank-*.json")) == \
-        ["bad-fork-rank-0.json", "bad-fork-rank-1.json"], sorted(str(p) for p in logs.rglob("*"))[:40]
+        [f"bad-fork-rank-{r}.json" for r in sorted(off["ranks"])], sorted(str(p) for p in logs.rglob("*"))[:40]
     assert not list(logs.glob("attempt-2*/warm-ranks/rank-*.json")), "attempt 2 forked its ranks again"
     assert not list(ref.rglob("bad-fork-rank-*.json"))
     assert final_losses(run) == final_losses(ref) and len(final_losses(ref)) == 12

@@ -23,7 +23,8 @@ from ckptrun.runtime.checkpoint.dcp_io import UnsafeMetadataError, load_metadata
 from ckptrun.runtime.hashing import hash_file
 from ckptrun.runtime.checkpoint.policies import Retention
 from ckptrun.runtime.checkpoint.retention import apply_retention
-from snapshot_factory import save_state
+from ckptrun.runtime.checkpoint.verify import verify_snapshot
+from snapshot_factory import plant_pickle, save_state
 
 ODD = 10_001  # float32 elements: not a multiple of any buffer size, so a buffered tail is left to flush
 
@@ -215,3 +216,17 @@ def test_a_load_that_would_leave_part_of_a_tensor_unread_is_refused() -> None:
     _check_coverage(*_planned([(0, 2), (2, 2)]))  # both halves stored: every element is read
     with pytest.raises(UnsafeMetadataError, match="holds 2 of the 4 elements"):
         _check_coverage(*_planned([(0, 2)]))
+
+
+@pytest.mark.parametrize("relative", ["dcp/.metadata", "rank-00000.pt"])
+def test_a_malicious_pickle_in_a_legacy_snapshot_is_refused_and_never_runs(tmp_path, relative):
+    """The format before raw tensor files still unpickles two files when it loads (``.metadata`` through a
+    restricted unpickler, ``rank-*.pt`` with ``weights_only``): an exploit planted there with a matching digest
+    is refused, and its code never runs. (A new snapshot's files are never unpickled at all: test_raw_format.)"""
+    path = save(tmp_path / "ckpt", 1, legacy=True)
+    marker = tmp_path / "marker"
+    plant_pickle(path, relative, marker)
+    assert verify_snapshot(path).ok, "digests match: integrity is not trust"
+    with pytest.raises(snapshot.LoadError):
+        snapshot.load(path)
+    assert not marker.exists(), "the malicious pickle ran"
