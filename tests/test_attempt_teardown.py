@@ -46,5 +46,6 @@ def test_failed_attempt_survivors_are_killed_after_the_short_grace_not_the_stop_
 def test_a_stop_keeps_its_grace_then_kills_every_survivor(tmp_path) -> None:
     run_id = f"teardown-stop-{os.getpid()}"
     attempt = stubborn_tree(tmp_path, run_id)
-    attempt.teardown(grace=2, run_id=run_id)
+    took = attempt.teardown(grace=2, run_id=run_id)
+    assert took >= 2, "the survivors ignore SIGTERM: a stop waits its whole grace before SIGKILL"
     assert attempt.exit_code() is not None and processes_of_run(run_id) == []

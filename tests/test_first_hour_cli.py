@@ -160,8 +160,14 @@ def test_the_default_job_saves_periodically_without_a_save_every_flag(tmp_path: 
     assert read_run_record(run_dir).spec.save_every == "auto"
     final = last_step(run_dir)
     periodic = [e["step"] for e in events(run_dir, "snapshot_saved") if e["step"] < final]
-    assert periodic, events(run_dir, "snapshot_saved")
+    assert periodic, events(run_dir, "snapshot_saved")  # the first step's save, which measures the save's cost δ
     assert "save cadence: a snapshot every" in result.stderr
+    # then the cadence is Daly's interval of that measured δ and --mtbf (8 steps end well before it is due again)
+    from ckptrun.cli.recovery_budget.rto_model import daly
+
+    [change, *_] = events(run_dir, "cadence")
+    assert change["mtbf_s"] == 60.0 and change["stall_s"] > 0, change
+    assert change["daly_s"] == pytest.approx(daly(change["stall_s"], 60.0), rel=1e-12) and change["interval_s"] > 0, change
 
 
 # --- item 8: smaller untruths ------------------------------------------------------------------------

@@ -57,10 +57,17 @@ def test_a_peers_connection_error_yields_to_the_node_where_the_rank_died(stores:
     collateral = {"cause": "crash", "exception": "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"}
     assert peer_error(collateral) and not peer_error({"cause": "crash", "signal": "SIGKILL"})
     seen: dict[str, dict] = {}
+    yielding, looked = threading.Event(), one.failure
+
+    def look(*args: object, **kwargs: object) -> dict | None:  # node 0's yield loop asks for a failure: it waits
+        yielding.set()
+        return looked(*args, **kwargs)
+
+    one.failure = look  # type: ignore[method-assign]
     waiting = threading.Thread(target=lambda: seen.update(node0=one.report_failure(
         7, node=0, ranks=[0], cause="crash", yield_s=10.0, exception=collateral["exception"])))
     waiting.start()
-    time.sleep(0.5)
+    assert yielding.wait(20), "node 0 never began to yield"  # node 0 reported first and is waiting
     seen["node1"] = two.report_failure(7, node=1, ranks=[1], cause="crash", signal="SIGKILL")
     waiting.join(timeout=20)
     assert seen["node0"]["node"] == seen["node1"]["node"] == 1 and seen["node0"]["signal"] == "SIGKILL"

@@ -156,5 +156,7 @@ def test_heartbeat_file_is_rewritten_in_place_and_read_whole(tmp_path):
     if pid == 0:  # a data-loader worker inherits the heartbeater: it must not beat for its parent
         heart.beat(99, "done", force=True)
         os._exit(0)
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert read_heartbeat(path) is None, "the fork wrote its parent's heartbeat"  # still the torn 40 bytes
     assert heart.beat(8, "train", force=True) and read_heartbeats(tmp_path)[3].step == 8
