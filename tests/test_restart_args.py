@@ -23,6 +23,12 @@ def logged(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
 
 
+def attempt_steps(lines: list[dict]) -> tuple[list[int], list[int]]:
+    """Rank 0's logged steps in attempts 1 and 2. Rank 1 is killed in its step-7 hook while rank 0 finishes
+    the same step: torchrun may end rank 0 before it logs step 7, so a 6 there is the same run."""
+    first, second = ([r["step"] for r in lines if r["attempt"] == a] for a in ("1", "2"))
+    return (first + [7] if first == [*range(1, 7)] else first), second
+
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_restart_args_resume_the_script_and_the_lost_steps_are_true(tmp_path: Path, cleanup: Cleanup) -> None:
@@ -31,7 +37,7 @@ def test_restart_args_resume_the_script_and_the_lost_steps_are_true(tmp_path: Pa
                      "--out", str(out), "--steps", "12", cwd=tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = logged(out)
-    assert [r["step"] for r in lines] == [*range(1, 8), *range(6, 13)]  # killed after 7, resumed from its step 5
+    assert attempt_steps(lines) == ([*range(1, 8)], [*range(6, 13)]), lines  # killed after 7, resumed from its step 5
     assert {r["restart"] for r in lines if r["attempt"] == "1"} == {"0"}
     assert {r["restart"] for r in lines if r["attempt"] == "2"} == {"1"}
     restart = one(run_dir, "restart")
@@ -55,7 +61,7 @@ def test_a_restart_that_started_over_is_said(tmp_path: Path, cleanup: Cleanup) -
     result = ckptrun("launch", *COMMON, *PLAIN_EXIT_ALLOWANCE, *KILL, "--name", "over", SCRIPT, "--out", str(out), "--steps", "10",
                      cwd=tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [r["step"] for r in logged(out)] == [*range(1, 8), *range(1, 11)]
+    assert attempt_steps(logged(out)) == ([*range(1, 8)], [*range(1, 11)])
     over = one(run_dir, "started_over")
     assert (over["attempt"], over["previous_step"]) == (2, 7)
     assert one(run_dir, "restart")["lost_steps"] == 7
