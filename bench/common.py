@@ -9,8 +9,6 @@ state its reads came from and the world size that wrote or ran it.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -122,22 +120,17 @@ def write_fsync(path: Path, write: Callable[[Any], Any]) -> None:
 # --- processes ---------------------------------------------------------------------
 
 
-def free_port(span: int = 2) -> int:
-    """A port on 127.0.0.1 free now with the ``span - 1`` after it (a job's store takes rendezvous port + 1),
-    below the kernel's ephemeral range (from 32768): a port found by binding 0 and closing it may be given to
-    any outgoing connection before the figure's process binds it again."""
-    while True:
-        port = random.randrange(20000, 32000 - span)
-        probes = [socket.socket() for _ in range(span)]
-        try:
-            for offset, probe in enumerate(probes):
-                probe.bind(("127.0.0.1", port + offset))
-            return port
-        except OSError:
-            continue
-        finally:
-            for probe in probes:
-                probe.close()
+def _tests_ports() -> Any:
+    """tests/ports.py, the suite's port helper (ports below the kernel's ephemeral range, probed): one for both."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ckptrun_test_ports", Path(__file__).resolve().parent.parent / "tests" / "ports.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+free_port = _tests_ports().free_port
 
 
 def init_world(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
