@@ -68,13 +68,18 @@ def cannot_list(remote: FsspecStore, exc: BaseException) -> CkptrunError:
 
     from ckptrun.runtime.storage.transfer import describe
 
-    unknown = re.search(r"unexpected keyword argument '([^']+)'", str(exc)) if isinstance(exc, TypeError) else None
-    if unknown:
-        return CkptrunError(f"{remote.where}: --storage-option {unknown.group(1)} is not an option of the "
-                            f"{remote.url.protocol} filesystem", "drop it, or nest it where the filesystem takes it "
-                            "(e.g. config_kwargs.retries.max_attempts=2 for s3)")
-    return CkptrunError(f"cannot list {remote.where}: {describe(exc)}",
-                        "check the URL, the endpoint and the credentials (environment, ~/.aws, --storage-option)")
+    chain, cause = [], exc  # the TypeError may come wrapped (StoreUnavailable from a restore's listing)
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__
+    for link in chain:
+        unknown = re.search(r"unexpected keyword argument '([^']+)'", str(link)) if isinstance(link, TypeError) else None
+        if unknown:
+            return CkptrunError(f"{remote.where}: --storage-option {unknown.group(1)} is not an option of the "
+                                f"{remote.url.protocol} filesystem", "drop it, or nest it where the filesystem takes it "
+                                "(e.g. config_kwargs.retries.max_attempts=2 for s3)")
+    said = str(exc) if str(exc).startswith(f"cannot list {remote.where}") else f"cannot list {remote.where}: {describe(exc)}"
+    return CkptrunError(said, "check the URL, the endpoint and the credentials (environment, ~/.aws, --storage-option)")
 
 
 def probe_local_dir(path: Path, what: str) -> None:

@@ -208,7 +208,8 @@ def test_a_storage_option_the_filesystem_does_not_take_is_named_in_one_line(s3, 
     retried it four times). Each command that opens the store names the option instead."""
     url = f"s3://{s3.new_bucket()}/ckpt"
     for command in (("launch", "--ckpt-dir", url, "--storage-option", "retries=1", "--", "--steps", "2"),
-                    ("verify", url, "--storage-option", "retries=1")):
+                    ("verify", url, "--storage-option", "retries=1"),
+                    ("estimate-rto", url, "--storage-option", "retries=1")):  # a restore's listing: wrapped
         refused = cli(*command, cwd=tmp_path)
         assert refused.returncode == 2, (command, refused.stderr)
         assert refused.stderr.splitlines() == [
