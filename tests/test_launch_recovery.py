@@ -26,7 +26,7 @@ def test_auto_cadence_follows_daly_and_a_crash_resumes_exactly_over_budget(tmp_p
     after step 60 restarts from the newest save and replays the steps since. Before any restart the estimate's
     teardown is a crash's on CPU ranks (modelled; SIGKILL 1 s after SIGTERM bounds it), not the 60 s grace
     period a stop may take (issue 26: the grace period made the first estimate 52x the measured RTO, the
-    SIGKILL bound 1.8x); over the 500 ms budget: one warning, the run goes on. The kill comes at step 60: the
+    SIGKILL bound 1.8x); over the 500 ms budget: one warning, the run goes on. The kill comes that late: the
     estimate is made in the background once the first snapshot is out, and must be in before the failure (at
     step 20 it came 0.2 s before the kill on a quiet machine, too close on a loaded one)."""
     run_dir = cleanup.run_dir(tmp_path / "runs" / "auto")

@@ -200,7 +200,6 @@ def test_a_store_that_cannot_be_written_is_refused_at_launch(s3, tmp_path):
     assert not probe.fs.find(writable.removeprefix("s3://")), "the probe leaves nothing behind"
 
 
-
 @pytest.mark.timeout(60)
 def test_a_storage_option_the_filesystem_does_not_take_is_named_in_one_line(s3, tmp_path):
     """s3fs hands unknown options down to its session as keywords: the TypeError it raises became
@@ -216,6 +215,7 @@ def test_a_storage_option_the_filesystem_does_not_take_is_named_in_one_line(s3, 
             f"error: {url}: --storage-option retries is not an option of the s3 filesystem",
             "hint: drop it, or nest it where the filesystem takes it (e.g. config_kwargs.retries.max_attempts=2 for s3)"]
     assert not list(tmp_path.glob("runs/*/run.json"))
+
 
 # --- retention --------------------------------------------------------------------------
 

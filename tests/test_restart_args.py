@@ -29,6 +29,7 @@ def attempt_steps(lines: list[dict]) -> tuple[list[int], list[int]]:
     first, second = ([r["step"] for r in lines if r["attempt"] == a] for a in ("1", "2"))
     return (first + [7] if first == [*range(1, 7)] else first), second
 
+
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_restart_args_resume_the_script_and_the_lost_steps_are_true(tmp_path: Path, cleanup: Cleanup) -> None:
