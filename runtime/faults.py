@@ -21,6 +21,8 @@ Grammar, several specs joined by ``;``::
                                       True, as after a CUDA init in its agent (runtime/worker/fork_safety.py)
     nan-after[:rank=R]:step=S         test only: after step S this rank's parameters (every rank's without rank=)
                                       become NaN: a weight blow-up, once per process
+    nan-recurring[:rank=R]:step=S     test only: as nan-after, but every time the run completes step S (again after
+                                      each rollback to before it): a blow-up that comes back
     poison-after-restore:step=S       test only: right after restoring the snapshot of step S, the parameters
                                       become NaN (state that verifies and is poison); any attempt unless attempt=N
     nudge-replica:rank=R:step=S       test only: after step S one parameter element of rank R's replica moves by
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore",
          "bad-fork",
-         "nan-after", "poison-after-restore", "nudge-replica", "slow-retention")
+         "nan-after", "nan-recurring", "poison-after-restore", "nudge-replica", "slow-retention")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish", "upload", "before-commit")  # the last two: object-store saves
 
 
@@ -113,7 +115,8 @@ def _parse_one(text: str) -> Fault:
             raise FaultSpecError(f"fault {text!r}: unknown key {key!r}")
     if kind == "poison-after-restore":
         fields.setdefault("attempt", None)  # keyed by the snapshot restored, whichever attempt restores it
-    if kind in ("kill", "hang", "exit", "nan", "inf-grad", "nan-after", "poison-after-restore", "nudge-replica") \
+    if kind in ("kill", "hang", "exit", "nan", "inf-grad", "nan-after", "nan-recurring", "poison-after-restore",
+                "nudge-replica") \
             and "step" not in fields:
         raise FaultSpecError(f"fault {text!r}: needs step=S")
     if kind == "kill-at" and "after" not in fields:

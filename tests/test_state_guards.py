@@ -17,7 +17,7 @@ from ckptrun.runtime.checkpoint.staging import first_nonfinite
 from ckptrun.runtime.checkpoint.verify import verify_snapshot
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.manifest import read_manifest
-from ckptrun.runtime.records import final_losses, read_events
+from ckptrun.runtime.records import final_losses, read_events, read_fatal, read_metrics
 from ckptrun.runtime.step.finite_watch import FiniteWatch, limit_for
 from ckptrun.runtime.step.precision import Policy, resolve
 from ckptrun.runtime.step.session import Run
@@ -115,6 +115,35 @@ def test_weights_that_blow_up_are_never_published_the_last_good_snapshot_survive
         assert not bad, f"{name} holds non-finite {bad[:3]}"
     losses = final_losses(run_dir)
     assert max(losses) == 30 and math.isfinite(losses[30])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc, fault, rollbacks, words", [
+    (2, "nan-recurring:step=12", [(15, 10, 1, 0.5)], "came back at the same step after rollback 1"),
+    (1, ";".join(f"nan-after:step={s}:attempt=any" for s in (12, 17, 22, 27)),
+     [(15, 10, 1, 0.5), (20, 15, 2, 0.25), (25, 20, 3, 0.125)], "after 3 rollback(s) in this run, --max-rollbacks 3"),
+])
+def test_a_blow_up_that_comes_back_after_a_rollback_ends_exit_4_counted_per_run_with_the_lr_lowered_cumulatively(
+        tmp_path, nproc, fault, rollbacks, words):
+    """Issue 38: weights NaN every time the run passes step 12 rolled back 6,692 times in 400 s, each rollback
+    event saying ``rollbacks: 1`` (the counter came back with the snapshot's counters) and the LR factor applied
+    to the restored LR (never compounding). Now the count is the run's: a blow-up at the step a rollback left
+    stops at once (exit 4, the data or hyperparameters), blow-ups at new steps stop after --max-rollbacks, and
+    the k-th rollback runs at factor**k of the unlowered rate."""
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, nproc=nproc, script=STATE_JOB, args=("--steps", "30"), save_every_steps=5, keep_last=2,
+                     fault=fault, timeout=200)
+    [fatal_record] = read_fatal(run_dir)  # torchrun says 1 for any failed rank: the supervisor ends on this record
+    assert fatal_record["exit_code"] == 4 and result.returncode == (4 if nproc == 1 else 1), result.stderr[-3000:]
+    events = read_events(run_dir, "rollback")
+    assert [(e["from_step"], e["to_step"], e["rollbacks"], e["lr_scale"]) for e in events] == rollbacks
+    fatal = fatal_record["reason"]
+    assert words in fatal and f"step {rollbacks[-1][0] + (0 if nproc == 2 else 5)}" in fatal, fatal
+    metrics = read_metrics(run_dir)
+    unlowered = next(m["lr"] for m in metrics if m["step"] == 1)
+    for _, to_step, _, scale in rollbacks:  # the step after each rollback's snapshot, replayed at factor**k
+        replayed = [m["lr"] for m in metrics if m["step"] == to_step + 1][-1]
+        assert math.isclose(replayed, unlowered * scale, rel_tol=1e-9), (to_step, replayed, unlowered, scale)
 
 
 @pytest.mark.timeout(300)

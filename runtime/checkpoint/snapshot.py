@@ -37,6 +37,7 @@ from ckptrun.runtime import collectives
 from ckptrun.runtime.checkpoint import tensor_file, zip_crc
 from ckptrun.runtime.checkpoint.dcp_io import SafeReader, allocate_from_metadata, load_metadata, tensor_table
 from ckptrun.runtime.checkpoint.dcp_writer import hashing_writer
+from ckptrun.runtime.checkpoint.node_planner import NodeShardPlanner
 from ckptrun.runtime.checkpoint.raw_dcp import METADATA_JSON
 from ckptrun.runtime.checkpoint.snapshot_types import (
     DCP_DIR, LEGACY, STATE_JSON, FaultHook, Loaded, LoadError, SaveResult, SnapshotInfo, State, rank_json, rank_tensors,
@@ -147,7 +148,9 @@ def _persist(temp_dir: Path, state: State, rank: int, lead: bool, algorithm: str
     error, table = None, {}
     writer = hashing_writer(temp_dir / DCP_DIR, algorithm, on_write=lambda name: fault("persist"), legacy=LEGACY.on)
     try:
+        partial = group is not None and collectives.world_size(group) < collectives.world_size()  # a node's part
         metadata = dcp.save(state.shared_tensors, storage_writer=writer, process_group=group,
+                            planner=NodeShardPlanner() if partial else None,
                             no_dist=collectives.world_size(group) == 1)  # a world of one plans alone: no collectives
         table = {key: TensorEntry(shape=shape, dtype=dtype) for key, (shape, dtype) in tensor_table(metadata).items()}
     except BaseException as exc:  # CheckpointException is a BaseException

@@ -42,7 +42,7 @@ class Restoring:
     ckpt_dir: Path
     step: int
     epoch: int
-    rollbacks: int
+    lr_scale: float
     config: dict[str, Any]
     changed: dict[str, tuple[Any, Any]]
     objects: dict[str, Any]
@@ -231,7 +231,7 @@ class Restoring:
             self._refuse(f"snapshot has no per-rank state for {', '.join(map(repr, missing))} (tracked now, not when it was saved)")
         self.step = tree["counters"]["step"]
         self.epoch = tree["counters"].get("epoch", 0)
-        self.rollbacks = tree["counters"].get("rollbacks", 0)
+        self.lr_scale = float(tree["counters"].get("lr_scale", 1.0))  # the rollbacks' lowering this state carries
         self.anomalies.history.clear()  # the losses before the snapshot: a spike right after it is judged, and
         self.anomalies.history.extend(float(x) for x in tree.get("losses", []))  # blames it (safeguards)
         if not loaded.rank_tree:  # written at another world size: per-rank state does not carry over

@@ -4,6 +4,13 @@
 train on the same state); ``rollback`` restores the previous verified snapshot
 in this process, forks the lineage, lowers the learning rate and keeps the
 data position, so the window that caused the anomaly is skipped.
+
+Rollbacks are counted per run, from the run record (never from a snapshot,
+whose counters are those of the past it restores): the k-th rollback of a run
+sets the learning rate to ``factor**k`` of the unlowered one, the one after
+``--max-rollbacks`` stops (exit 4), and a blow-up that comes back at the very
+step a rollback left, with the data window skipped and the rate lowered, is the
+data's or the hyperparameters' doing, not the state's: it stops at once.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ class Rollback:
     ckpt_dir: Path
     step: int
     rollbacks: int
+    lr_scale: float
     objects: dict[str, Any]
     lineage: str
     parent: str | None
@@ -54,11 +62,28 @@ class Rollback:
             return True
         return False
 
+    def _rollback_history(self) -> tuple[int, int | None]:
+        """(this run's rollbacks so far, the step the last one left): rank 0 reads the record, every rank gets it."""
+        found = records.read_events(self.run_dir, "rollback") if self.rank == 0 else []
+        facts = (len(found), int(found[-1]["from_step"]) if found else None)
+        return collectives.broadcast_object(facts)
+
+    def _refuse_another_rollback(self, reason: str, from_step: int) -> None:
+        """Exit 4 when this anomaly must not be rolled back again: the budget is spent, or it recurred."""
+        self.rollbacks, last_from = self._rollback_history()
+        if last_from == from_step:
+            self._refuse(f"anomaly at step {from_step} came back at the same step after rollback {self.rollbacks} "
+                         f"({reason}), with the data window skipped and the learning rate at "
+                         f"{self.env.rollback_lr_factor ** self.rollbacks:g}x: the data or the hyperparameters of "
+                         "those steps, not the snapshot; inspect them, then `ckptrun resume --latest`")
+        if self.rollbacks >= self.env.max_rollbacks:
+            self._refuse(f"anomaly at step {from_step} after {self.rollbacks} rollback(s) in this run, "
+                         f"--max-rollbacks {self.env.max_rollbacks} ({reason}); lower the learning rate or inspect "
+                         "the data")
+
     def _rollback(self, reason: str, from_step: int) -> None:
         """Restore the previous verified snapshot in-process, fork the lineage, lower the LR, skip the data window."""
-        if self.rollbacks >= self.env.max_rollbacks:
-            self._refuse(f"anomaly at step {from_step} after {self.rollbacks} rollbacks ({reason}); "
-                         "lower the learning rate or inspect the data")
+        self._refuse_another_rollback(reason, from_step)
         self._settle_saves(wait=True)
         found = self._load_newest()
         if found is None:
@@ -77,8 +102,10 @@ class Rollback:
         self.finite.rolled_back()
         self.published_step = self.step
         factor = self.env.rollback_lr_factor
-        hparams.scale_lr(self.objects.get("optimizer"), self.objects.get("scheduler"), factor)
+        lowered = factor ** self.rollbacks  # of the unlowered rate; the snapshot's own state carries lr_scale
+        hparams.scale_lr(self.objects.get("optimizer"), self.objects.get("scheduler"), lowered / self.lr_scale)
+        self.lr_scale = lowered
         self.anomalies.history.clear()
         if self.rank == 0:
             records.log_event(self.run_dir, "rollback", from_step=from_step, to_step=self.step, snapshot=str(path),
-                              lr_factor=factor, rollbacks=self.rollbacks, reason=reason)
+                              lr_factor=factor, lr_scale=lowered, rollbacks=self.rollbacks, reason=reason)

@@ -38,6 +38,7 @@ class Saving:
     step: int
     epoch: int
     rollbacks: int
+    lr_scale: float
     config: dict[str, Any]
     objects: dict[str, Any]
     precision: Policy
@@ -177,7 +178,7 @@ class Saving:
         trees, tensors, aliases = train_state.collect(self._shared_objects())
         rng_tree, rng_tensors = rng.capture()
         own_trees, own_tensors = per_rank.capture({n: self.objects[n] for n in self.per_rank_names})
-        counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks}
+        counters = {"step": self.step, "epoch": self.epoch, "rollbacks": self.rollbacks, "lr_scale": self.lr_scale}
         shared_tree = {"objects": trees, "counters": counters, "config": self.config, "aliases": aliases,
                        "losses": list(self.anomalies.history),  # the spike detector's window: see restoring._apply
                        "model_config": self._model_config()}  # config.json of an export

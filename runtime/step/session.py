@@ -73,7 +73,8 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
         self.precision = precision
         self.scaler = precision.make_scaler()
         self.anomalies = AnomalyDetector(env.anomaly_window, env.anomaly_sigma)
-        self.rollbacks = 0
+        self.rollbacks = 0  # this run's, as of the last rollback (counted from the record: see step.rollback)
+        self.lr_scale = 1.0  # the learning rate's lowering by rollbacks, as the state holds it (saved with it)
         self._precision_reported = False
         self.config = dict(config)
         self.rank, self.world_size = collectives.rank(), collectives.world_size()

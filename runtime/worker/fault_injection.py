@@ -70,9 +70,12 @@ class FaultInjector:
                 grad.view(-1)[0] = float("inf")
 
     def after_optimizer_step(self, step: int, model: Any) -> None:
-        """nan-after / nudge-replica: once ``step`` is done, damage this rank's parameters (state tests)."""
+        """nan-after / nudge-replica: once ``step`` is done, damage this rank's parameters (state tests);
+        nan-recurring: every time ``step`` is done."""
         for fault in self.faults:
-            if fault.kind in ("nan-after", "nudge-replica") and fault.step == step and self._once(fault):
+            if fault.kind == "nan-recurring" and fault.step == step:
+                _damage(model, nudge=False)
+            elif fault.kind in ("nan-after", "nudge-replica") and fault.step == step and self._once(fault):
                 _damage(model, nudge=fault.kind == "nudge-replica")
 
     def after_restore(self, step: int, model: Any) -> None:
