@@ -147,7 +147,7 @@ class Manifest(BaseModel):
                 problems.append(f"{entry.path}: no writer rank")
             elif entry.rank >= self.world_size or (named is not None and named != entry.rank):
                 problems.append(f"{entry.path}: writer rank {entry.rank} does not match its name or world size {self.world_size}")
-        if any(entry.path.startswith("dcp/") for entry in self.files) and not self.tensors:
+        if any(_holds_tensors(entry) for entry in self.files) and not self.tensors:
             problems.append("dcp/ holds tensors but the manifest lists no tensor shapes")
         return problems
 
@@ -207,6 +207,14 @@ def read_framework_manifest(path: Path) -> FrameworkManifest:
 
 
 DATA_SUFFIXES = (".safetensors", ".distcp")  # a rank's DCP data file: raw tensor files, or (older) torch.save items
+
+
+def _holds_tensors(entry: FileEntry) -> bool:
+    """Whether a listed file of ``dcp/`` may hold tensor bytes: a raw data file whose chunks are more than its
+    header (a state with nothing shared, every tracked object per rank, writes header-only files), any other."""
+    if not entry.path.startswith("dcp/") or entry.path.endswith(".json"):
+        return False
+    return not (entry.path.endswith(".safetensors") and entry.chunks is not None and len(entry.chunks) <= 1)
 
 
 def is_data_file(path: str) -> bool:

@@ -26,8 +26,9 @@ from torch.distributed.fsdp import fully_shard
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=20, help="optimizer steps in total")
 parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank, per micro-batch")
-parser.add_argument("--global-batch", type=int, default=48,
-                    help="sequences per optimizer step, whatever the world size (the accumulation follows)")
+parser.add_argument("--global-batch", type=int, default=None,
+                    help="sequences per optimizer step, whatever the world size (the accumulation follows); "
+                         "default: 48, rounded to a multiple of batch-size x ranks (48 on 1, 2, 3 or 6 ranks)")
 parser.add_argument("--block-size", type=int, default=32, help="context length in tokens")
 parser.add_argument("--vocab-size", type=int, default=64)
 parser.add_argument("--n-layer", type=int, default=2)
@@ -125,7 +126,9 @@ def next_token_loss(logits: torch.Tensor, batch) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), batch[1].to(run.device).flatten())
 
 
-for step_batches in run.batches(loader, steps=args.steps, global_batch=args.global_batch):
+micro = args.batch_size * run.world_size  # sequences in one micro-batch of every rank
+global_batch = args.global_batch or micro * max(1, round(48 / micro))
+for step_batches in run.batches(loader, steps=args.steps, global_batch=global_batch):
     # one micro-batch comes as (inputs, targets); several as a list of them
     micro_batches = [step_batches] if isinstance(step_batches[0], torch.Tensor) else step_batches
     loss = run.train_step(micro_batches, forward=forward, loss=next_token_loss, max_norm=args.max_norm or None)

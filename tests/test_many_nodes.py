@@ -136,6 +136,11 @@ def test_the_memory_tier_on_two_nodes_restarts_each_node_from_its_own_memory_cop
 # whole 8 KiB): a node's memory copy that holds only its shards must load as such (a size check once took the
 # global shape for what the node stores, and only tensors smaller than DCP's per-item overhead passed)
 FSDP_JOB = [str(Path(__file__).parent / "fixtures" / "fsdp_job.py"), "--steps", "20", "--width", "256"]
+# The FSDP2 tests run a real node's shape: two ranks on each node (ranks 0, 1 on node 0; 2, 3 on node 1), so that
+# a node's own snapshot holds a part of every tensor from more than one rank (issue 38: with one rank per node,
+# every memory save of two ranks per node failing went unseen). Node 1's last rank is the one the faults hit.
+PER_NODE = ["--nproc-per-node", "2"]
+NODE_1_RANK = 3
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +152,7 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]
     try:
         reference = Pair(cwd, tracker, "fsdp-reference")
         for node in (0, 1):
-            reference.start(node, *reference.flags(node), *QUICK, *NO_RESTART, *FSDP_JOB)
+            reference.start(node, *reference.flags(node), *QUICK, *PER_NODE, *NO_RESTART, *FSDP_JOB)
         assert (reference.wait(0), reference.wait(1)) == (0, 0), f"{reference.log(0)}\n{reference.log(1)}"
         want = final_losses(reference.run_dir)
         assert sorted(want) == list(range(1, 21))
@@ -170,8 +175,8 @@ def test_each_nodes_local_cache_keeps_its_own_files_and_a_restart_reads_them_the
         tmp_path: Path, cleanup: Cleanup, s3, fsdp_reference: dict[int, float]) -> None:
     """Issue 25 item 4: FSDP2 on two nodes, snapshots in S3 every 5 steps (synchronous: step 15 is committed
     before step 16 runs), each node its own --local-cache and --node-group, and the memory tier every 3 steps
-    (accepted with the cache on many nodes; replicas go to the other rack). Each node's cache holds only its own rank's files of each snapshot, with the
-    whole manifest. Node 1's rank is killed after step 17: no memory step is newer than the durable step 15,
+    (accepted with the cache on many nodes; replicas go to the other rack). Each node's cache holds only its own ranks' files of each snapshot, with the
+    whole manifest. Node 1's last rank is killed after step 17: no memory step is newer than the durable step 15,
     so every node restores step 15 from its own cache and downloads only the files it lacks (restore_source
     tier local-cache, 0 < durable_bytes_read < the snapshot's bytes), and the losses equal the uninterrupted
     two-node run bitwise."""
@@ -179,10 +184,10 @@ def test_each_nodes_local_cache_keeps_its_own_files_and_a_restart_reads_them_the
     url = f"s3://{s3.new_bucket()}/ckpt"
     caches = {node: tmp_path / f"disk-node{node}" for node in (0, 1)}
     for node in (0, 1):
-        pair.start(node, *pair.flags(node), *QUICK, "--ckpt-dir", url, "--local-cache", str(caches[node]), "--sync-save",
-                   "--memory-every-steps", "3", "--memory-dir", str(tmp_path / f"ram-node{node}"),
+        pair.start(node, *pair.flags(node), *QUICK, *PER_NODE, "--ckpt-dir", url, "--local-cache", str(caches[node]),
+                   "--sync-save", "--memory-every-steps", "3", "--memory-dir", str(tmp_path / f"ram-node{node}"),
                    "--local-addr", f"127.0.0.{node + 1}", "--node-group", f"rack-{'ab'[node]}",
-                   "--inject-fault", "kill:rank=1:step=17", *FSDP_JOB)
+                   "--inject-fault", f"kill:rank={NODE_1_RANK}:step=17", *FSDP_JOB)
     assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
     received = events(pair.run_dir, "replica_received")  # each node's memory snapshots, on the node of the other rack
     assert {(e["node"], e["from_node"]) for e in received} == {(0, 1), (1, 0)}, received
@@ -193,7 +198,7 @@ def test_each_nodes_local_cache_keeps_its_own_files_and_a_restart_reads_them_the
             files = json.loads((copy / "manifest.json").read_text())["files"]
             held = {str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()} - {"manifest.json"}
             restored = copy.name == "step-000000015"  # filled with the files it lacked, to be loaded
-            assert held == {f["path"] for f in files if restored or (f.get("rank") or 0) == node}, (node, copy, held)
+            assert held == {f["path"] for f in files if restored or (f.get("rank") or 0) // 2 == node}, (node, copy, held)
     sources = events(pair.run_dir, "restore_source")
     assert sorted((e["node"], e["tier"], e["step"]) for e in sources) == [(0, "local-cache", 15), (1, "local-cache", 15)], sources
     assert all(0 < e["durable_bytes_read"] < e["bytes"] for e in sources), sources
@@ -208,7 +213,8 @@ def test_with_node_groups_each_nodes_memory_replica_goes_to_another_rack(tmp_pat
     node 0's goes to node 2, node 2's to node 1, and node 1's (rack B holds one node) to node 0."""
     pair = Pair(tmp_path, cleanup, "racks", nnodes="3")
     for node, rack in enumerate("AAB"):
-        pair.start(node, *_memory_flags(pair, node, tmp_path, *NO_RESTART, "--node-group", f"rack-{rack}"), *FSDP_JOB)
+        pair.start(node, *_memory_flags(pair, node, tmp_path, *NO_RESTART, "--node-group", f"rack-{rack}", per_node=[]),
+                   *FSDP_JOB)
     codes = [pair.wait(node) for node in range(3)]
     assert codes == [0, 0, 0], f"{codes}\n{pair.log(0)}\n{pair.log(2)}"
     received = events(pair.run_dir, "replica_received")
@@ -216,10 +222,10 @@ def test_with_node_groups_each_nodes_memory_replica_goes_to_another_rack(tmp_pat
     assert all(e["verified"] for e in received)
 
 
-def _memory_flags(pair: Pair, node: int, root: Path, *extra: str) -> list[str]:
+def _memory_flags(pair: Pair, node: int, root: Path, *extra: str, per_node: list[str] = PER_NODE) -> list[str]:
     """A node of a memory-tier job: its own --memory-dir (its "RAM") and address (each node keeps its ranks)."""
-    return [*pair.flags(node), *QUICK, "--memory-every-steps", "2", "--memory-dir", str(root / f"ram-node{node}"),
-            "--local-addr", f"127.0.0.{node + 1}", *extra]
+    return [*pair.flags(node), *QUICK, *per_node, "--memory-every-steps", "2", "--memory-dir",
+            str(root / f"ram-node{node}"), "--local-addr", f"127.0.0.{node + 1}", *extra]
 
 
 @pytest.mark.timeout(420)
@@ -231,7 +237,7 @@ def test_fsdp2_on_two_nodes_restores_each_nodes_own_shards_from_its_memory_exact
     pair = Pair(tmp_path, cleanup, "fsdp-memory")
     for node in (0, 1):
         pair.start(node, *_memory_flags(pair, node, tmp_path, "--save-every-steps", "20",
-                                        "--inject-fault", "kill:rank=1:step=17"), *FSDP_JOB)
+                                        "--inject-fault", f"kill:rank={NODE_1_RANK}:step=17"), *FSDP_JOB)
     assert (pair.wait(0), pair.wait(1)) == (0, 0), f"{pair.log(0)}\n{pair.log(1)}"
     sources = events(pair.run_dir, "restore_source")
     step = sources[0]["step"]
@@ -250,7 +256,7 @@ def _lose_node_1(pair: Pair, tmp_path: Path, extra: list[str], join_timeout: str
     """Rank 1 hangs after step 17 of attempt 1 (its heartbeat timeout is far off); once node 0 holds a verified
     replica of node 1's step 16, node 1's launcher and every process under it are SIGKILLed and its memory dir
     deleted (the node and its RAM are gone; a surviving rank's replica receiver would write into it again)."""
-    fault = "hang:rank=1:step=17:attempt=1"
+    fault = f"hang:rank={NODE_1_RANK}:step=17:attempt=1"
     for node in (0, 1):
         pair.start(node, *_memory_flags(pair, node, tmp_path, *extra, "--heartbeat-timeout", "60",
                                         "--node-join-timeout", join_timeout, "--inject-fault", fault), *FSDP_JOB)
@@ -294,7 +300,8 @@ def test_a_hot_spare_takes_the_lost_nodes_place_at_once_and_restores_its_shards_
     pair = Pair(tmp_path, cleanup, "spare")
     flags = ["--save-every-steps", "20"]
     spare_flags = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{pair.port}", "--name", pair.name, *QUICK,
-                   "--memory-every-steps", "2", "--memory-dir", str(tmp_path / "ram-spare"), "--local-addr", "127.0.0.3",
+                   *PER_NODE, "--memory-every-steps", "2", "--memory-dir", str(tmp_path / "ram-spare"),
+                   "--local-addr", "127.0.0.3",
                    "--heartbeat-timeout", "60", *flags]
     spare = pair.start(2, "--spare", *spare_flags, *FSDP_JOB)
 

@@ -212,6 +212,19 @@ def test_a_replica_nudged_by_one_ulp_is_caught_at_the_next_save_and_the_restart_
         assert (run_dir / f"final-{rank}.json").read_text() == (reference_dir / f"final-{rank}.json").read_text()
 
 
+@pytest.mark.timeout(150)
+def test_replicas_that_diverge_before_any_snapshot_agreed_stop_at_once_there_is_nothing_to_go_back_to(tmp_path):
+    """Issue 38: DDP, rank 1 nudged after step 5, just before the first save, which finds it. A restart would start over
+    from nothing and meet the same fault, so it is exit 4 in the first attempt (the fatal record), saying so."""
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, nproc=2, script=STATE_JOB, args=("--steps", "10"), save_every_steps=5,
+                     fault="nudge-replica:rank=1:step=5", timeout=120)
+    [fatal] = read_fatal(run_dir)
+    assert fatal["exit_code"] == 4 and "before any snapshot whose replicas agreed" in fatal["reason"], result.stderr[-2000:]
+    assert [(e["step"], e["ranks"], e["cause"]) for e in read_events(run_dir, "replicas_diverged")] == \
+        [(5, [1], "no-agreed-snapshot")]
+
+
 # --- a spike right after a restore (in-process runs) -----------------------------------------
 
 
@@ -268,8 +281,9 @@ def test_a_spike_within_k_steps_of_a_restore_blames_it_judged_against_the_window
 @pytest.mark.parametrize("every, caught_at", [(2, 4), ("none", 9)])
 def test_replica_check_every_n_steps_catches_a_nudged_replica_between_saves(tmp_path, every, caught_at):
     """Rank 1's replica nudged by one ulp at step 3, a save only at the end (step 9): with
-    ``--replica-check-every-steps 2`` the ranks compare at step 4 and restart (exit 1), naming rank 1 and the
-    tensor; by default only the final save finds it (and publishes nothing)."""
+    ``--replica-check-every-steps 2`` the ranks compare at step 4, naming rank 1 and the tensor; by default only
+    the final save finds it (and publishes nothing). No snapshot agreed before either, so there is nothing to
+    restart from: exit 4 on both ranks (issue 38; it was exit 1, and the restart started over from nothing)."""
     port = free_port()
     command = [sys.executable, str(FIXTURES / "replica_check_ranks.py")]
     ranks = [subprocess.Popen([*command, str(rank), str(port), str(tmp_path), str(every), "3", "9"],
@@ -280,10 +294,10 @@ def test_replica_check_every_n_steps_catches_a_nudged_replica_between_saves(tmp_
     finally:
         for rank in ranks:
             kill_tree(rank.pid)
-    assert codes == [1, 1], errors
+    assert codes == [4, 4], errors
     diverged = read_events(tmp_path, "replicas_diverged")
-    assert [(e["step"], e["ranks"], e["tensor"], e["policy"]) for e in diverged] == \
-        [(caught_at, [1], "model.weight", "restart")], diverged
+    assert [(e["step"], e["ranks"], e["tensor"], e["policy"], e["cause"]) for e in diverged] == \
+        [(caught_at, [1], "model.weight", "restart", "no-agreed-snapshot")], diverged
     assert diverged[0]["at"] == ("check" if every != "none" else "save")
     assert read_events(tmp_path, "snapshot_saved") == [], "no snapshot of diverged replicas is published"
-    assert "restarting from the last snapshot whose replicas agreed" in errors[1]
+    assert "before any snapshot whose replicas agreed: there is nothing to go back to" in errors[1]

@@ -244,8 +244,10 @@ def _publish(temp_dir: Path, files: list[FileEntry], tensors: dict[str, TensorEn
 
 
 def _tensor_digest(files: list[FileEntry]) -> str:
-    """One digest over the DCP data files' digests (not the metadata, which names the save)."""
-    data = [f"{f.path}:{f.digest}" for f in files if is_data_file(f.path)]
+    """One digest over the DCP data files' digests and the ranks' own tensors (per-rank state, RNG), not the
+    metadata, which names the save."""
+    data = [f"{f.path}:{f.digest}" for f in files if is_data_file(f.path) or f.path.startswith("rank-")
+            and not f.path.endswith(".json")]
     return hashlib.sha256("\n".join(sorted(data)).encode()).hexdigest()
 
 

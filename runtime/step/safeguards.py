@@ -30,6 +30,7 @@ from ckptrun.runtime.checkpoint import train_state
 from ckptrun.runtime.checkpoint.replicas import compare, digests
 from ckptrun.runtime.checkpoint.snapshot_types import SaveResult
 from ckptrun.runtime.storage import store
+from ckptrun.runtime.step import per_rank
 from ckptrun.runtime.step.finite_watch import FiniteWatch, limit_for
 
 EXIT_FAILED, EXIT_UNRECOVERABLE = 1, 4
@@ -48,6 +49,8 @@ class Safeguards:
     parent: str | None
     world_size: int
     objects: dict[str, Any]
+    published: str | None
+    unsynchronised: bool
 
     if TYPE_CHECKING:  # provided by Run
         def _shared_objects(self) -> dict[str, Any]: ...
@@ -167,21 +170,34 @@ class Safeguards:
         collectives.barrier()  # recorded before any rank leaves
         self._act_on_divergence(result)
 
+    def _no_restart_helps(self, result: Any) -> str | None:
+        """Why a restart cannot mend this divergence (then it is exit 4 whatever the policy but ``warn``), or None.
+        The same facts on every rank: nothing wraps the model, or no snapshot of this process agreed yet."""
+        if self.unsynchronised:
+            return per_rank.unsynchronised_refusal(result.error, result.step)
+        if self.published is None and self.restored_from is None:
+            return (f"{result.error} at step {result.step}, before any snapshot whose replicas agreed: there is "
+                    "nothing to go back to; check the model's initialisation (every rank the same seed, or DDP)")
+        return None
+
     def _record_divergence(self, result: Any, at: str = "save") -> None:
         """Rank 0, on the writer thread as soon as the ranks compared (before any rank acts on it): the event,
         naming a rank that diverged before as the suspect device, and for ``stop`` the fatal record."""
         tensor, ranks = result.diverged
+        fatal = self._no_restart_helps(result)
         before = [r for e in records.read_events(self.run_dir, "replicas_diverged") for r in e.get("ranks", [])]
-        suspects = [r for r in ranks if r in before]
+        suspects = [r for r in ranks if r in before] if fatal is None else []
         policy = self.env.on_replica_divergence
         records.log_event(self.run_dir, "replicas_diverged", step=result.step, ranks=list(ranks), tensor=tensor,
-                          attempt=self.env.attempt, policy=policy, suspect=suspects, at=at)
+                          attempt=self.env.attempt, policy=policy, suspect=suspects, at=at,
+                          cause="unsynchronised" if self.unsynchronised else "no-agreed-snapshot" if fatal else None)
         words = f"; rank(s) {', '.join(map(str, suspects))} diverged before: suspect device" if suspects else ""
         where = "snapshot not published" if at == "save" else "found by --replica-check-every-steps"
         print(f"ckptrun: {result.error} at step {result.step}: {where} (policy: {policy}){words}",
               file=sys.stderr, flush=True)
-        if policy == "stop":
-            records.write_fatal(self.run_dir, 0, f"{result.error} at step {result.step}{words}", EXIT_UNRECOVERABLE)
+        if policy == "stop" or policy == "restart" and fatal is not None:
+            records.write_fatal(self.run_dir, 0, fatal or f"{result.error} at step {result.step}{words}",
+                                EXIT_UNRECOVERABLE)
 
     def _act_on_divergence(self, result: Any) -> None:
         """Every rank, when it collects the result: restart (exit 1: the supervisor restores the newest snapshot,
@@ -189,11 +205,15 @@ class Safeguards:
         policy = self.env.on_replica_divergence
         if policy == "warn":
             return
-        print(f"error: {result.error} at step {result.step}; "
-              f"{'restarting from the last snapshot whose replicas agreed' if policy == 'restart' else 'stopped'}",
-              file=sys.stderr, flush=True)
+        fatal = self._no_restart_helps(result) if policy == "restart" else None
+        if fatal is not None:
+            print(f"error: {fatal}", file=sys.stderr, flush=True)
+        else:
+            print(f"error: {result.error} at step {result.step}; "
+                  f"{'restarting from the last snapshot whose replicas agreed' if policy == 'restart' else 'stopped'}",
+                  file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(EXIT_FAILED if policy == "restart" else EXIT_UNRECOVERABLE)
+        os._exit(EXIT_FAILED if policy == "restart" and fatal is None else EXIT_UNRECOVERABLE)
 
     # --- the end ------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from ckptrun.runtime.checkpoint.wrappers import unwrap as _unwrap
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.faults import parse_faults
 from ckptrun.runtime.step import hparams, reshard, stepper
+from ckptrun.runtime.step import per_rank as rank_state
 from ckptrun.runtime.step.anomaly import AnomalyDetector
 from ckptrun.runtime.step.data import DataLoader
 from ckptrun.runtime.step.exit_codes import EXIT_STOPPED, EXIT_UNRECOVERABLE
@@ -66,6 +67,8 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
 
     owns_group = True  # init() created the default process group (False: the script did; finish() leaves it)
     per_rank_names: frozenset[str] = frozenset()  # tracked with per_rank=True: stored in each rank's own files
+    _checked_models: frozenset[str] = frozenset()  # trained models already compared across ranks at track()
+    unsynchronised = False  # several ranks, trained models, none wrapped in DDP/FSDP: nothing syncs gradients
     checked_replicas = False  # the first save compares the shared objects' tensors across ranks (per_rank)
 
     def __init__(self, env: RunEnv, config: dict[str, Any], precision: Policy) -> None:
@@ -140,6 +143,27 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
                 obj.register_step_pre_hook(self._note_lr)
             self.objects[name] = obj
         self._loaders = [obj for obj in self.objects.values() if isinstance(obj, DataLoader)]
+        self._find_per_rank_models()
+
+    def _find_per_rank_models(self) -> None:
+        """A trained model that differs across ranks as it is tracked is each rank's own (see :mod:`per_rank`);
+        once per model, when its optimizer is tracked too. Collective: every rank tracks the same names."""
+        shared = self._shared_objects()
+        unchecked = {name: module for name, module in rank_state.trained_modules(shared).items()
+                     if name not in self._checked_models}
+        self._checked_models |= set(unchecked)
+        self.unsynchronised = self.world_size > 1 and bool(rank_state.trained_modules(self.objects)) and not any(
+            rank_state.synchronised(m) for m in rank_state.trained_modules(self.objects).values())
+        differ = rank_state.differing_models(unchecked)
+        own = [self.objects[n] for n in self.per_rank_names | set(differ) if isinstance(self.objects[n], torch.nn.Module)]
+        added = (set(differ) | set(rank_state.optimizers_of(shared, own))) - self.per_rank_names
+        if not added:
+            return
+        self.per_rank_names = self.per_rank_names | added
+        if differ and self.rank == 0 and not records.read_events(self.run_dir, "per_rank_state"):  # once a run
+            records.log_event(self.run_dir, "per_rank_state", objects=sorted(added), cause="differ when tracked")
+            note = rank_state.per_rank_note(sorted(differ), sorted(added - set(differ)))
+            print(f"ckptrun: {note}", file=sys.stderr, flush=True)
 
     def _shared_objects(self) -> dict[str, Any]:
         """The tracked objects every rank holds alike (the snapshot's shared state): all but the per-rank ones."""
