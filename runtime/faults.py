@@ -16,6 +16,7 @@ Grammar, several specs joined by ``;``::
     nan:step=S                        test only: the step after S reports a NaN loss (anomaly policy)
     inf-grad:rank=R:step=S            test only: inf in this rank's gradient in the step after S (fp16)
     enospc[:rank=R][:step=S]          test only: this rank's snapshot writes fail with ENOSPC from step S on
+    memory-enospc[:rank=R][:step=S]   test only: this rank's memory-tier writes fail with ENOSPC from step S on
     skip-rng-restore                  test only: restore everything except the RNG states
     bad-fork[:rank=R]                 test only: a forked (warm) rank sees ``torch.cuda._is_in_bad_fork()`` as
                                       True, as after a CUDA init in its agent (runtime/worker/fork_safety.py)
@@ -35,7 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "skip-rng-restore",
+KINDS = ("kill", "hang", "exit", "kill-during-save", "kill-at", "slow-save", "nan", "inf-grad", "enospc", "memory-enospc",
+         "skip-rng-restore",
          "bad-fork",
          "nan-after", "nan-recurring", "poison-after-restore", "nudge-replica", "slow-retention")
 SAVE_PHASES = ("stage", "persist", "before-manifest", "before-publish", "upload", "before-commit")  # the last two: object-store saves

@@ -124,7 +124,16 @@ def collect(run_dir: Path, rates: StepRates, budget: float | None = None, now: f
         "plain_script": any(e.get("event") == "plain_script" for e in events),
         "snapshot": snapshot,
         "rto": rto(events, budget),
+        "tiers_off": tiers_off(events),
     }
+
+
+def tiers_off(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tiers the run asked for that switched off in its latest attempt (the memory tier, after failed saves)."""
+    starts = [e.get("attempt") for e in events if e.get("event") == "attempt_start"]
+    latest = starts[-1] if starts else None
+    return [{"tier": "memory", "attempt": e.get("attempt"), "step": e.get("step"), "reason": e.get("reason")}
+            for e in events if e.get("event") == "memory_tier_off" and e.get("attempt") == latest][:1]
 
 
 def read_spec(run_dir: Path) -> tuple[LaunchSpec | None, str | None]:

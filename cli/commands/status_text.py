@@ -19,6 +19,9 @@ def render(doc: dict[str, Any]) -> str:
              f"RTO       {_rto_words(doc['rto'])}", ""]
     if doc.get("nodes"):
         lines[2:2] = [f"nodes     {_node_words(doc['nodes'])}"]
+    if doc.get("tiers_off"):
+        lines[-1:-1] = [f"tiers     {t['tier']}: OFF since step {t['step']} of attempt {t['attempt']} ({t['reason']})"
+                        for t in doc["tiers_off"]]
     if doc.get("spares"):
         lines[3:3] = ["spares    " + " · ".join(f"spare {s['spare']} pid {s['pid']} on {s['host']}: waiting"
                                               for s in doc["spares"])]

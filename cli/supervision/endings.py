@@ -38,10 +38,12 @@ class Endings:
         return self.plain_seen and not self.runtime_seen and not self.framework_seen
 
     def _done(self, watch: AttemptWatch) -> Outcome:
-        self.world.event("run_completed", attempt=watch.attempt, restarts=self.restarts, step=watch.last_step)
+        off = self.world.attempt_events("memory_tier_off")  # a tier asked for and lost: said, never silent
+        self.world.event("run_completed", attempt=watch.attempt, restarts=self.restarts, step=watch.last_step,
+                         tiers_off=["memory"] if off else [])
         at = f" at step {watch.last_step}" if watch.last_step is not None else ""
-        return Outcome(EXIT_OK, f"run completed{at} after {self.restarts} restart(s)",
-                       attempts=watch.attempt - self.first_attempt + 1, restarts=self.restarts)
+        lost = f", but without the memory tier since step {off[0].get('step')}: {off[0].get('reason')}" if off else ""
+        return Outcome(EXIT_OK, f"run completed{at} after {self.restarts} restart(s){lost}", attempts=watch.attempt - self.first_attempt + 1, restarts=self.restarts)
 
     def _stopped(self, watch: AttemptWatch) -> Outcome:
         if self.plain:

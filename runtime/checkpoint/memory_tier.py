@@ -55,7 +55,7 @@ from ckptrun.runtime.storage import store
 from ckptrun.runtime.env import RunEnv
 from ckptrun.runtime.checkpoint import replication
 from ckptrun.runtime.checkpoint.saver import Saver
-from ckptrun.runtime.checkpoint.snapshot import SaveResult, SnapshotInfo, State
+from ckptrun.runtime.checkpoint.snapshot import FaultHook, SaveResult, SnapshotInfo, State
 
 AUTO_OVERHEAD = 0.01  # auto: a memory save may cost the loop this share of its time
 FAILURES_TO_STOP = 3  # failed memory saves in a row that switch the tier off for the attempt
@@ -161,8 +161,9 @@ class MemoryTier:
         if self.saver is not None:
             self._account(self.saver.collect(wait))
 
-    def save(self, state: State, info: SnapshotInfo) -> None:
-        """Start a memory save at this step boundary (every rank, the same step); returns once staged."""
+    def save(self, state: State, info: SnapshotInfo, fault: FaultHook = lambda phase: None) -> None:
+        """Start a memory save at this step boundary (every rank, the same step); returns once staged.
+        ``fault``: the test faults' hook at each phase of the save (``memory-enospc``)."""
         started = time.monotonic()
         self.settle(wait=True)  # one in flight at most; its group is free for the broadcast below
         waited = time.monotonic() - started  # a write that outlasts the cadence shows here (memory_saved stall_s)
@@ -181,7 +182,7 @@ class MemoryTier:
                 store.delete_snapshot(stale)
         if self.replicator is not None:
             self.replicator.start()
-        self.saver.begin(state, info, fault=lambda phase: None, on_result=self._on_result, waited=waited)
+        self.saver.begin(state, info, fault=fault, on_result=self._on_result, waited=waited)
         self.cadence.last_step = info.step
         self._measured(info.step, started)
 
@@ -241,7 +242,7 @@ class MemoryTier:
             self.saver = None
         if self.rank == 0:
             reason = f"{self.failures} memory saves failed in a row (last: {self.last_error})"
-            records.log_event(self.run_dir, "memory_tier_off", attempt=self.attempt, reason=reason)
+            records.log_event(self.run_dir, "memory_tier_off", attempt=self.attempt, reason=reason, step=self.cadence.last_step)
             print(f"ckptrun: warning: memory tier off for this attempt: {reason}; durable snapshots go on",
                   file=sys.stderr, flush=True)
 

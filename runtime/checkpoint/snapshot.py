@@ -81,7 +81,7 @@ def persist_and_publish(
     gathered = _gather((entries, error, state.staged_bytes, state.allocated_bytes), members, group)
     staged = tuple(g[2] for g in gathered)
     allocated = tuple(g[3] for g in gathered)
-    errors = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1]]
+    errors = ranks_said([(r, g[1]) for r, g in enumerate(gathered) if g[1]])
     if errors:
         errors.append(_free_space(temp_dir.parent))
         if lead:
@@ -178,6 +178,18 @@ def _free_space(ckpt_dir: Path) -> str:
         return f"{shutil.disk_usage(ckpt_dir).free / 2**20:.0f} MiB free in {ckpt_dir}"
     except OSError:
         return f"{ckpt_dir} is not accessible"
+
+
+ERROR_CHARS = 240  # one rank's cause, as a person reads it in a line (the event keeps no more either)
+
+
+def ranks_said(errors: list[tuple[int, str]]) -> list[str]:
+    """Each distinct error once, with the ranks that raised it (``ranks 0, 1: …``), cut to a line's length:
+    every rank of a node raising the same 500-character planner error once said it once per rank."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in errors:
+        by_text.setdefault(text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 1] + "…", []).append(rank)
+    return [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}" for text, ranks in by_text.items()]
 
 
 def _first_line(exc: BaseException) -> str:

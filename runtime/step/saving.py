@@ -96,7 +96,8 @@ class Saving:
         if self._settle_decisions():  # the step's line and anomaly check first, as for a durable save
             return
         self.heart.beat(self.step, "save")
-        self.memory.save(self._collect(), self._info())
+        step = self.step
+        self.memory.save(self._collect(), self._info(), fault=lambda phase: self.faults.during_memory_save(step, phase))
         self.heart.beat(self.step, "train")
 
     def _check_loaders(self) -> None:

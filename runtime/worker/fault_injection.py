@@ -95,6 +95,12 @@ class FaultInjector:
             if fault.kind == "kill-during-save" and fault.phase == phase and fault.step in (None, step):
                 self._fire(fault)
 
+    def during_memory_save(self, step: int, phase: str) -> None:
+        """A memory-tier save reached ``phase``: memory-enospc fails its writes."""
+        for fault in self.faults:
+            if fault.kind == "memory-enospc" and phase == "persist" and step >= (fault.step or 0):
+                raise OSError(errno.ENOSPC, "No space left on device (injected, memory tier)")
+
     def _fire(self, fault: Fault) -> None:
         sys.stdout.flush()
         when = f"{fault.after:g}s after init" if fault.kind == "kill-at" else f"at step {fault.step}"
