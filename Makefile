@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # Whole files per worker (loadfile): module- and session-scoped reference runs are made once per worker. 0: serial.
 TEST_WORKERS ?= 2
 
-.PHONY: setup test test-fast demo bench bench-quick gpu-check clean
+.PHONY: setup test test-fast demo bench bench-quick matrix gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ clean:
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py --full
+
+# the scenario matrix's cover (about an hour on 2 cores), or `make matrix CELLS=2x2/fsdp2/memory-replica/lose-node,...`
+matrix: $(STAMP)
+	$(BIN)/python bench/matrix.py $(if $(CELLS),--cells "$(CELLS)")
 
 bench-quick: $(STAMP)
 	$(BIN)/python bench/run.py --quick

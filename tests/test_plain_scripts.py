@@ -235,3 +235,41 @@ def test_sigkill_of_the_supervisor_of_a_hung_plain_script_leaves_no_process(tmp_
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
     assert_no_processes(run_dir)
+
+
+SYS_EXIT_MAIN = """
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    dist.init_process_group("gloo")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())  # main() returns None: litgpt's entry point, and the common idiom
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_a_script_ending_in_sys_exit_of_main_completes_under_warm_workers(tmp_path: Path, cleanup: Cleanup) -> None:
+    """Issue 39 item 1: ``sys.exit(main())`` with main() returning None never completed under the default warm
+    workers (both ranks said ``returned``, the supervisor waited for ever): torch's ``record()`` takes only
+    ``SystemExit(0)`` as a return, so a forked rank leaving with ``SystemExit(None)`` never posted its result."""
+    script = tmp_path / "train.py"
+    script.write_text(SYS_EXIT_MAIN)
+    run_dir = cleanup.run_dir(tmp_path / "runs" / "exit")
+    result = ckptrun("launch", *COMMON, *PLAIN_EXIT_ALLOWANCE, "--name", "exit", str(script), cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("ckptrun: run completed"), result.stderr[-1000:]
+    assert len(events(run_dir, "attempt_start")) == 1 and events(run_dir, "run_completed")
+    assert_no_processes(run_dir, within=10)

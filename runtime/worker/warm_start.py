@@ -29,6 +29,8 @@ A forked process is not a fresh interpreter, so before the script runs this make
 * **Failures in ckptrun's own error file.** The bootstrap writes ``TORCHELASTIC_ERROR_FILE`` (with
   ``ckptrun_phase``); torch's ``@record`` around this entry would overwrite it, so an uncaught
   exception leaves here as ``SystemExit(1)`` after its traceback is printed.
+* **``sys.exit(None)`` is a return.** ``sys.exit(main())`` with a ``main()`` that returns None ends the
+  script as a return would (torch's ``record()`` takes only ``SystemExit(0)`` for one).
 * **os._exit(0) counts as success.** torch's fork start waits for each rank's return value; a script
   (or the runtime's quiet exit) that leaves with ``os._exit(0)`` posts it first, or the agent would
   wait forever.
@@ -189,8 +191,12 @@ def main(argv: list[str]) -> None:
 
     try:
         bootstrap.main(argv[1:])
-    except SystemExit:
-        raise
+    except SystemExit as exc:
+        if exc.code is not None and exc.code != 0:
+            raise
+        # `sys.exit(main())` with main() returning None: a normal end, as for a cold interpreter. torch's
+        # record() treats only SystemExit(0) as a return, so leaving with SystemExit(None) would never post the
+        # rank's return value and the agent would wait for it forever: return instead (the caller posts it).
     except BaseException as exc:  # recorded by the bootstrap: leave as a cold interpreter would, keeping its error file
         print_user_exception(exc)
         raise SystemExit(1) from None
