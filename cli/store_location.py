@@ -234,7 +234,8 @@ def cache_of_run(run_dir: Path) -> Path | None:
 
 def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], None] = lambda _: None) -> Any:
     """The restore a restart would do (:func:`ckptrun.runtime.checkpoint.tiering.choose`) into ``cache`` (None: a
-    temporary directory); exit 1 when no snapshot of the line verifies, 2 when the store cannot be listed."""
+    temporary directory); exit 1 when no snapshot of the line verifies, 2 when the store holds none or cannot be
+    listed."""
     from ckptrun.runtime.checkpoint.tiering import choose
 
     target = cache if cache is not None else Path(tempfile.mkdtemp(prefix="ckptrun-fetch-"))
@@ -244,6 +245,9 @@ def fetch_newest(store: FsspecStore, cache: Path | None, log: Callable[[str], No
         choice = choose(store, target, log)
     except Exception as exc:  # noqa: BLE001 - unreachable, credentials: one line, not a traceback
         raise cannot_list(store, exc) from None
+    if choice is None and not store.published():  # this run never committed one: as for a local dir with none
+        raise CkptrunError(f"no snapshot in {store.where} yet",
+                           "there is nothing to resume from: launch the run again (`ckptrun launch ...` with a new --name)")
     if choice is None:
         raise CkptrunError(f"no snapshot in {store.where} verifies", f"`ckptrun verify {store.where}` says what is wrong", EXIT_NO)
     return choice

@@ -148,7 +148,10 @@ def _greedy_cover() -> tuple[Cell, ...]:
     missing = set(coverable_pairs()) - set().union(*(pairs_of(cell) for cell in chosen))
     candidates = applicable()
     while missing:
-        best = max(range(len(candidates)), key=lambda i: (len(pairs_of(candidates[i]) & missing) / cost(candidates[i]), -i))
+        def gain(i: int) -> tuple[float, int]:
+            return len(pairs_of(candidates[i]) & missing) / cost(candidates[i]), -i
+
+        best = max(range(len(candidates)), key=gain)
         chosen.append(candidates[best])
         missing -= pairs_of(candidates[best])
     return tuple(chosen)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from launch_helpers import CKPTRUN, FIXTURES, kill_tree, run_processes, tail
+from launch_helpers import CKPTRUN, FIXTURES, kill_tree, run_processes, tail, wait_for
 from matrix import OWN_CHECKPOINTS, RUNTIME_STATES, Cell, not_applicable
 from ports import free_port
 
@@ -164,7 +164,8 @@ class Launch:
     def _fault_flags(self) -> list[str]:
         last = self.nodes * self.per_node - 1  # a rank of the last node
         faults = {"kill": f"kill:rank={last}:step={FAULT_STEP}", "hang": f"hang:rank={last}:step={FAULT_STEP}",
-                  "one-off-blowup": f"nan-after:step={FAULT_STEP}", "recurring-blowup": f"nan-recurring:step={FAULT_STEP}",
+                  "one-off-blowup": f"nan-after:step={FAULT_STEP}",
+                  "recurring-blowup": f"nan-recurring:step={FAULT_STEP}",
                   "poison": f"poison-after-restore:step=10;kill:rank={last}:step={FAULT_STEP}",
                   "disk-full": f"enospc:step={STEPS}",
                   "lose-node": f"hang:rank={last}:step={FAULT_STEP}:attempt=1"}
@@ -268,13 +269,10 @@ class CellFailed(Exception):
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise CellFailed(f"timed out after {timeout:.0f}s waiting for {what}")
+    try:
+        return wait_for(condition, timeout, what)
+    except AssertionError as exc:  # the cell's reason, not a test failure of the harness
+        raise CellFailed(str(exc)) from None
 
 
 # --- faults that the harness drives (the others are injected) --------------------------------------------
@@ -282,6 +280,16 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 
 def _mid_run(launch: Launch) -> None:
     wait_until(lambda: launch.step() >= 7, 150, "step 7 (mid-run)")
+
+
+def _snapshot_out(launch: Launch) -> None:
+    """Mid-run with a published snapshot to resume from (a kill before the first one has nothing to resume:
+    `resume` says so, exit 2, a cell of its own); a script with its own checkpoints, once it wrote one."""
+    _mid_run(launch)
+    if launch.cell.state in OWN_CHECKPOINTS:
+        wait_until(lambda: launch.step() >= 7, 60, "the script's own checkpoint of step 5")
+        return
+    wait_until(lambda: read_events(launch.run_dir, "snapshot_saved"), 150, "the first published snapshot")
 
 
 def _stop(launch: Launch) -> None:
@@ -348,11 +356,11 @@ def run_first_phase(launch: Launch) -> tuple[int, ...]:
     if fault in ("stop-resume", "corrupt"):
         _stop(launch)
     elif fault == "supervisor-kill":
-        _mid_run(launch)
+        _snapshot_out(launch)
         for popen in launch.procs.values():
             os.kill(popen.pid, signal.SIGKILL)
     elif fault == "leader-loss":
-        _mid_run(launch)
+        _snapshot_out(launch)
         os.kill(launch.procs[0].pid, signal.SIGKILL)
     elif fault == "lose-node":
         _lose_last_node(launch)
@@ -382,7 +390,9 @@ def check_restore_source(launch: Launch) -> None:
     restored = [e for e in read_events(launch.run_dir, "restored") if (e.get("attempt") or 1) > 1]  # the ranks' load
     seen = {(e.get("node", 0), e.get("tier")) for e in sources} or {(0, e.get("tier")) for e in restored}
     want = {"memory": {"memory"}, "memory-replica": {"memory", "peer-memory"}, "cache-s3": {"local-cache"},
-            "local": {"disk"}, "s3": {"disk", "durable"}}[tier]
+            "local": {"disk"}, "s3": {"disk", "durable", "local-cache"}}[tier]  # s3: its staging dir is a local copy
+    if fault == "lose-node" and tier in ("memory", "cache-s3"):  # the lost node's memory or cache went with it
+        want = want | {"disk", "durable"}
     if fault == "poison":  # the restored snapshot is quarantined; the next restart is durable again
         want = want | {"disk", "durable"}
     if launch.cell.state in OWN_CHECKPOINTS:
@@ -420,14 +430,24 @@ def check_state_faults(launch: Launch) -> None:
 
 
 def check_snapshots(launch: Launch, completed: bool) -> None:
+    """`ckptrun verify` finds every snapshot outside quarantine/ intact (it exits 1 while a quarantined one is
+    corrupt, as documented: the bad one is kept, set aside), and a completed run's final snapshot among them."""
     if launch.cell.state in OWN_CHECKPOINTS:
         return
     result = subprocess.run([*CKPTRUN, "verify", str(launch.run_dir), "--json"], cwd=launch.cwd,
                             capture_output=True, text=True, timeout=120, env=launch.env())
-    if result.returncode != 0:
-        raise CellFailed(f"`ckptrun verify` exited {result.returncode}: {(result.stderr or result.stdout).strip()[-300:]}")
-    report = json.loads(result.stdout)
-    steps = [s.get("step") for s in report.get("snapshots", []) if s.get("status") == "ok" and not s.get("abandoned")]
+    if result.returncode not in (0, 1) or not result.stdout.strip():
+        said = (result.stderr or result.stdout).strip()[-300:]
+        raise CellFailed(f"`ckptrun verify` exited {result.returncode}: {said}")
+    snapshots = json.loads(result.stdout).get("snapshots", [])
+    kept = [s for s in snapshots if "/quarantine/" not in s.get("path", "") and not s.get("abandoned")]
+    bad = [f"step {s.get('step')}: {s.get('status')}" for s in kept if s.get("status") != "ok"]
+    if bad or (result.returncode == 1 and len(kept) == len(snapshots)):
+        raise CellFailed(f"`ckptrun verify` exited {result.returncode}: {', '.join(bad) or 'no snapshot is bad'}")
+    set_aside = [s for s in snapshots if s not in kept and s.get("status") != "ok"]  # quarantined, or a line left
+    if launch.cell.fault == "corrupt" and not set_aside:
+        raise CellFailed("the corrupt snapshot was neither set aside (quarantine/, an abandoned line) nor kept")
+    steps = [s.get("step") for s in kept]
     if completed and STEPS not in steps:
         raise CellFailed(f"the run completed but its final snapshot (step {STEPS}) is not among {steps}")
 

@@ -386,3 +386,16 @@ def test_launch_on_s3_recovers_from_the_store_and_every_command_takes_the_url(tm
         assert_no_processes(run_dir)
     finally:
         cleanup.close()
+
+
+def test_a_store_that_never_got_a_snapshot_has_nothing_to_resume_as_a_local_dir_says(s3: S3Server, tmp_path: Path) -> None:
+    """Found by the scenario matrix (1x2/unwrapped/s3/supervisor-kill before the first snapshot): `resume` said
+    "no snapshot in s3://… verifies", exit 1, where a local checkpoint dir says there is nothing to resume
+    from, exit 2. A store this run never committed to says the same as the local dir; one whose snapshots all
+    fail still says none verifies (exit 1)."""
+    from ckptrun.cli.errors import CkptrunError
+
+    empty = store_location.open_store(f"s3://{s3.new_bucket()}/ckpt")
+    with pytest.raises(CkptrunError) as refused:
+        store_location.fetch_newest(empty, tmp_path / "cache")
+    assert refused.value.exit_code == 2 and "nothing to resume from" in str(refused.value.hint), refused.value

@@ -33,8 +33,8 @@ from ckptrun.cli.supervision.node_env import NodeSettings
 from ckptrun.cli.supervision.node_world import NodePaths
 from ckptrun.cli.supervision.observation import Snapshot
 from ckptrun.cli.supervision.rundir import RUNS_ROOT, RunLock
-from ckptrun.cli.supervision.runner import (_newest, _refuse_used, _refuse_used_store, ckpt_dir_of, next_attempt,
-                                            supervise_run)
+from ckptrun.cli.supervision.runner import (_refuse_used, _refuse_used_store, ckpt_dir_of, next_attempt,
+                                            resume_snapshot, supervise_run)
 from ckptrun.cli.supervision.standby import StandbyKeeper
 from ckptrun.cli.supervision.spec import LaunchSpec, RunRecord, build_spec, read_run_record, write_run_record
 from ckptrun.cli.supervision.world import Estimator
@@ -215,13 +215,15 @@ def _publish_token(job: JobStore, record: RunRecord, paths: NodePaths) -> None:
     job.set_token(token)
 
 
-def _pick_snapshot(paths: NodePaths, settings: NodeSettings, record: RunRecord, argv: list[str]) -> tuple[int, Snapshot]:
-    """A resume's snapshot, as ``resume_run`` picks it (the store's newest for an object-store run)."""
-    snapshot = _newest(record.spec.node_cache_dir or ckpt_dir_of(record.spec, paths.root), record.spec, paths.root,
-                       record.run_id)  # a node's cache: this node's files there, the rest downloaded into it
+def _pick_snapshot(paths: NodePaths, settings: NodeSettings, record: RunRecord,
+                   argv: list[str]) -> tuple[int, Snapshot | None]:
+    """A resume's snapshot, as ``resume_run`` picks it (:func:`resume_snapshot`; None for a script that resumes
+    from its own files)."""
+    snapshot = resume_snapshot(record.spec.node_cache_dir or ckpt_dir_of(record.spec, paths.root), record,
+                               paths.root)  # a node's cache: this node's files there, the rest downloaded into it
     first = next_attempt(paths.root)
-    records.log_event(paths.root, "resume", attempt=first, snapshot=str(snapshot.path), snapshot_step=snapshot.step,
-                      argv=argv, forked=False, nnodes=settings.nnodes)
+    records.log_event(paths.root, "resume", attempt=first, snapshot=str(snapshot.path) if snapshot else None,
+                      snapshot_step=snapshot.step if snapshot else None, argv=argv, forked=False, nnodes=settings.nnodes)
     return first, snapshot
 
 

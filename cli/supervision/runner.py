@@ -149,11 +149,9 @@ def resume_run(run_dir: Path, source: str | None, overrides: dict[str, Any], arg
               + (f" (on restarts: + {' '.join(record.spec.restart_args)})" if record.spec.restart_args else ""),
               file=sys.stderr)
         ckpt_dir = ckpt_dir_of(record.spec, run_dir)
-        plain = bool(records.read_events(run_dir, "plain_script")  # it resumes from its own files
-                     or records.read_events(run_dir, "framework_script"))
         if source and record.spec.store_url:
             raise CkptrunError("resume --from is not supported on an object store yet", "use --latest")
-        snapshot = _from_source(ckpt_dir, source) if source else None if plain else _newest(ckpt_dir, record.spec, run_dir, record.run_id)
+        snapshot = _from_source(ckpt_dir, source) if source else resume_snapshot(ckpt_dir, record, run_dir)
         _refuse_unasked_reshard(record.spec, snapshot)
         write_run_record(run_dir, record)
         first = next_attempt(run_dir)
@@ -186,6 +184,15 @@ def _refuse_unasked_reshard(spec: LaunchSpec, snapshot: Snapshot | None) -> None
                            f"pass --allow-reshard to resume on {spec.world_size} ranks (tensors and the data position "
                            f"reshard, per-rank RNG is reseeded: not bitwise exact), or --nproc-per-node {saved}",
                            EXIT_UNRECOVERABLE)
+
+
+def resume_snapshot(ckpt_dir: Path, record: RunRecord, run_dir: Path) -> Snapshot | None:
+    """The snapshot ``resume --latest`` continues from, on one node or many: None for a script that resumes
+    from its own files (a plain or framework script: ckptrun holds no snapshot of it), else the newest
+    verified one (exit 2 when there is none)."""
+    if records.read_events(run_dir, "plain_script") or records.read_events(run_dir, "framework_script"):
+        return None
+    return _newest(ckpt_dir, record.spec, run_dir, record.run_id)
 
 
 def _newest(ckpt_dir: Path, spec: LaunchSpec | None = None, run_dir: Path | None = None,

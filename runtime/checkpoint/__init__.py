@@ -6,7 +6,8 @@
 - Write path: ``staging`` (stage: host copies in reused buffers), ``saver`` (persist and publish in the
   background), ``save_plan``, ``writeback``, ``zip_crc``, ``pacing``, ``remote_publish`` (the upload phase),
   ``snapshot`` (save and load of one snapshot, contract C2; its file names and records in
-  ``snapshot_types``), ``memory_tier`` (a frequent snapshot in node-local shared memory).
+  ``snapshot_types``), ``memory_tier`` (a frequent snapshot in node-local shared memory), ``node_planner``
+  (DCP's save planning for a node's own part of sharded tensors).
 - Read path: ``verified_read`` (bytes checked against the manifest as they are read), ``tiering`` (which copy
   a restart restores from).
 - Judging and keeping: ``verify`` (the one place that says a snapshot is good), ``policies`` (when to save,

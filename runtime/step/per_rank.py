@@ -87,12 +87,13 @@ def trained_modules(objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def differing_models(modules: dict[str, Any]) -> list[str]:
-    """Names of ``modules`` whose replicated tensors differ across ranks now. Collective (every rank, alike)."""
+    """Names of ``modules`` whose replicated parameters differ across ranks now. Collective (every rank, alike)."""
     from ckptrun.runtime.checkpoint.replicas import digests
 
     if not modules or not collectives.active() or collectives.world_size() == 1:
         return []
-    mine = {name: digests(module.state_dict()) for name, module in sorted(modules.items())}
+    # parameters only: buffers (BatchNorm's running stats) may differ across ranks by design, even under DDP
+    mine = {name: digests(dict(module.named_parameters())) for name, module in sorted(modules.items())}
     everyone = collectives.all_gather_object(mine)
     return [name for name in mine if any(theirs.get(name) != mine[name] for theirs in everyone)]
 

@@ -126,7 +126,10 @@ def _damage(model: Any, nudge: bool) -> None:
 
     with torch.no_grad():
         for param in model.parameters():
-            flat = param.data.view(-1)
+            local = param.data.to_local() if hasattr(param.data, "to_local") else param.data  # a DTensor's own shard
+            if not local.numel():
+                continue
+            flat = local.view(-1)
             if nudge:
                 flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
                 return
