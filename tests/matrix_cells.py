@@ -19,6 +19,7 @@ process it started is killed when it ends, whatever happened.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -255,10 +256,8 @@ class Launch:
     def close(self) -> None:
         for popen in self.procs.values():
             kill_tree(popen.pid)
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # its session: whatever it left behind
                 os.killpg(popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             popen.wait()
         for process in run_processes(self.run_dir):
             kill_tree(process.pid)

@@ -43,7 +43,8 @@ class Endings:
                          tiers_off=["memory"] if off else [])
         at = f" at step {watch.last_step}" if watch.last_step is not None else ""
         lost = f", but without the memory tier since step {off[0].get('step')}: {off[0].get('reason')}" if off else ""
-        return Outcome(EXIT_OK, f"run completed{at} after {self.restarts} restart(s){lost}", attempts=watch.attempt - self.first_attempt + 1, restarts=self.restarts)
+        return Outcome(EXIT_OK, f"run completed{at} after {self.restarts} restart(s){lost}",
+                       attempts=watch.attempt - self.first_attempt + 1, restarts=self.restarts)
 
     def _stopped(self, watch: AttemptWatch) -> Outcome:
         if self.plain:

@@ -242,7 +242,8 @@ class MemoryTier:
             self.saver = None
         if self.rank == 0:
             reason = f"{self.failures} memory saves failed in a row (last: {self.last_error})"
-            records.log_event(self.run_dir, "memory_tier_off", attempt=self.attempt, reason=reason, step=self.cadence.last_step)
+            records.log_event(self.run_dir, "memory_tier_off", attempt=self.attempt, reason=reason,
+                              step=self.cadence.last_step)
             print(f"ckptrun: warning: memory tier off for this attempt: {reason}; durable snapshots go on",
                   file=sys.stderr, flush=True)
 

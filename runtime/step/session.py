@@ -152,8 +152,8 @@ class Run(LoopShapes, StepEnd, Restoring, Rollback, Saving, Safeguards):
         unchecked = {name: module for name, module in rank_state.trained_modules(shared).items()
                      if name not in self._checked_models}
         self._checked_models |= set(unchecked)
-        self.unsynchronised = self.world_size > 1 and bool(rank_state.trained_modules(self.objects)) and not any(
-            rank_state.synchronised(m) for m in rank_state.trained_modules(self.objects).values())
+        trained = rank_state.trained_modules(self.objects).values()
+        self.unsynchronised = self.world_size > 1 and bool(trained) and not any(map(rank_state.synchronised, trained))
         differ = rank_state.differing_models(unchecked)
         own = [self.objects[n] for n in self.per_rank_names | set(differ) if isinstance(self.objects[n], torch.nn.Module)]
         added = (set(differ) | set(rank_state.optimizers_of(shared, own))) - self.per_rank_names
